@@ -1,0 +1,1 @@
+"""Fisher spectra, preconditioner alignment and per-layer signal-to-noise diagnostics."""

@@ -1,0 +1,1 @@
+"""MONAI bundle integration."""

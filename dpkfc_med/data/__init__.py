@@ -1,0 +1,1 @@
+"""Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; data-root resolution."""

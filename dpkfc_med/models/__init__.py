@@ -1,0 +1,1 @@
+"""MONAI network registry and DP-compatibility fixes (norm layers, in-place activations)."""

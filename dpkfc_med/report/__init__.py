@@ -1,0 +1,1 @@
+"""Audit-ready privacy report: versioned JSON schema, Markdown/HTML rendering and plots."""

@@ -1,0 +1,1 @@
+"""Training and evaluation loops, metrics and checkpoints."""
