@@ -1,1 +1,1 @@
-"""Probe-only KFAC curvature: hooks, per-layer adapters, Kronecker factors and the preconditioner operator."""
+"""Probe-only KFAC curvature: hooks, layer adapters, Kronecker factors, preconditioner."""

@@ -1,1 +1,1 @@
-"""Scale-then-privatize DP optimizer on Opacus, privacy engine, units, accountants and the privacy ledger."""
+"""Scale-then-privatize DP optimizer on Opacus, engine, privacy units, accountants, ledger."""

@@ -1,0 +1,308 @@
+r"""Per-layer adapters: layer inputs and output errors in one shared ``[B, T, G, n]`` layout.
+
+Every weight layer the preconditioner covers is viewed as a (grouped) matrix product
+
+.. math::
+
+    y_{b,t,g} = W_g \, a_{b,t,g}, \qquad W_g \in \mathbb{R}^{n_g \times n_a},
+
+with ``B`` samples, ``T`` positions (sequence tokens, output voxels of a convolution), ``G``
+independent weight groups (``groups`` of a convolution, 1 otherwise), ``a`` the input (conv:
+the unfolded patch, Grosse & Martens 2016 "KFC") with a homogeneous 1 appended when the layer
+has a bias, and ``delta = dL/dy`` the output error. The per-sample gradient of group ``g`` is
+then
+
+.. math::
+
+    \nabla_{W_g} \ell_b = \sum_t \delta_{b,t,g} \, a_{b,t,g}^\top
+    \in \mathbb{R}^{n_g \times n_a},
+
+and each adapter knows how to map that ``[B, G, n_g, n_a]`` tensor to and from the layer's own
+parameter tensors. Adding a layer type means adding one adapter (and its brute-force test).
+
+Transposed convolutions reuse the convolution path: ``conv_transpose(x, W)`` equals a stride-1
+convolution of the zero-inserted, re-padded input with the flipped, channel-swapped kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "LayerAdapter",
+    "adapter_for",
+    "register_adapter",
+    "supported_layer_types",
+    "unfold_nd",
+]
+
+
+@dataclass(frozen=True)
+class LayerAdapter:
+    """How one layer type maps to the shared ``[B, T, G, n]`` layout.
+
+    Attributes:
+        name: short adapter name shown in coverage summaries.
+        activations: ``(module, x) -> a`` with ``a`` of shape ``[B, T, G, n_a]`` (bias column
+            included as a trailing 1 when the layer has a bias).
+        errors: ``(module, dy) -> delta`` of shape ``[B, T, G, n_g]``.
+        to_params: ``(module, grads [B, G, n_g, n_a]) -> {param: [B, *param.shape]}``.
+        from_params: ``(module, {param: [B, *param.shape]}) -> [B, G, n_g, n_a]``.
+        dims: ``module -> (G, n_a, n_g)``.
+    """
+
+    name: str
+    activations: Callable[[nn.Module, Tensor], Tensor]
+    errors: Callable[[nn.Module, Tensor], Tensor]
+    to_params: Callable[[nn.Module, Tensor], dict[nn.Parameter, Tensor]]
+    from_params: Callable[[nn.Module, dict[nn.Parameter, Tensor]], Tensor]
+    dims: Callable[[nn.Module], tuple[int, int, int]]
+
+
+_ADAPTERS: dict[type[nn.Module], LayerAdapter] = {}
+
+
+def register_adapter(*layer_types: type[nn.Module]) -> Callable[[LayerAdapter], LayerAdapter]:
+    """Register an adapter for exact layer types (subclasses are not matched implicitly)."""
+
+    def deco(adapter: LayerAdapter) -> LayerAdapter:
+        for t in layer_types:
+            _ADAPTERS[t] = adapter
+        return adapter
+
+    return deco
+
+
+def supported_layer_types() -> tuple[type[nn.Module], ...]:
+    """Layer types with a registered adapter."""
+    return tuple(_ADAPTERS)
+
+
+def adapter_for(module: nn.Module) -> LayerAdapter | None:
+    """The adapter for ``module``'s exact type, or ``None`` when the layer is not covered."""
+    return _ADAPTERS.get(type(module))
+
+
+def _has_bias(module: nn.Module) -> bool:
+    return getattr(module, "bias", None) is not None and module.bias.requires_grad  # type: ignore[union-attr]
+
+
+def _append_one(a: Tensor) -> Tensor:
+    ones = torch.ones(*a.shape[:-1], 1, dtype=a.dtype, device=a.device)
+    return torch.cat([a, ones], dim=-1)
+
+
+def _split_bias(
+    module: nn.Module, grads: Tensor, weight_shape_fn: Callable[[Tensor], Tensor]
+) -> dict[nn.Parameter, Tensor]:
+    """Split ``[B, G, n_g, n_a(+1)]`` into weight and bias per-sample gradients."""
+    out: dict[nn.Parameter, Tensor] = {}
+    b = grads.shape[0]
+    if _has_bias(module):
+        out[module.bias] = grads[..., -1].reshape(b, -1)  # type: ignore[index]
+        grads = grads[..., :-1]
+    if module.weight.requires_grad:  # type: ignore[union-attr]
+        out[module.weight] = weight_shape_fn(grads)  # type: ignore[index]
+    return out
+
+
+def _join_bias(module: nn.Module, grads: dict[nn.Parameter, Tensor], w: Tensor) -> Tensor:
+    """Inverse of :func:`_split_bias`: ``w`` is ``[B, G, n_g, n_a]`` without the bias column."""
+    if _has_bias(module):
+        bias = grads[module.bias].reshape(w.shape[0], w.shape[1], w.shape[2], 1)  # type: ignore[index]
+        w = torch.cat([w, bias], dim=-1)
+    return w
+
+
+# --------------------------------------------------------------------------------------- Linear
+
+
+def _linear_activations(module: nn.Module, x: Tensor) -> Tensor:
+    a = x.reshape(x.shape[0], -1, x.shape[-1]).unsqueeze(2)
+    return _append_one(a) if _has_bias(module) else a
+
+
+def _linear_errors(module: nn.Module, dy: Tensor) -> Tensor:
+    return dy.reshape(dy.shape[0], -1, dy.shape[-1]).unsqueeze(2)
+
+
+def _linear_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Tensor]:
+    return _split_bias(module, grads, lambda g: g[:, 0])
+
+
+def _linear_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> Tensor:
+    w = grads[module.weight].unsqueeze(1)  # type: ignore[index]
+    return _join_bias(module, grads, w)
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int, int]:
+    return 1, module.in_features + int(_has_bias(module)), module.out_features  # type: ignore[operator]
+
+
+LINEAR = register_adapter(nn.Linear)(
+    LayerAdapter(
+        "linear",
+        _linear_activations,
+        _linear_errors,
+        _linear_to_params,
+        _linear_from_params,
+        _linear_dims,
+    )
+)
+
+
+# ------------------------------------------------------------------------------------ ConvNd
+
+
+def unfold_nd(
+    x: Tensor,
+    kernel_size: tuple[int, ...],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> Tensor:
+    """Unfold an already padded ``[B, C, *S]`` tensor into patches ``[B, L, C, prod(k)]``.
+
+    One implementation for 1D/2D/3D (``torch.nn.functional.unfold`` is 2D-only); the patch
+    order (channel, then kernel offsets in row-major order) matches ``weight.flatten(1)``.
+    """
+    n = len(kernel_size)
+    b, c = x.shape[:2]
+    for d in range(n):
+        span = dilation[d] * (kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, stride[d])
+        if dilation[d] > 1:
+            x = x[..., :: dilation[d]]
+    # x: [B, C, L1..Ln, k1..kn] -> [B, L1..Ln, C, k1..kn]
+    perm = [0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n)]
+    x = x.permute(perm)
+    num_pos = math.prod(x.shape[1 : 1 + n])
+    return x.reshape(b, num_pos, c, math.prod(kernel_size))
+
+
+def _conv_padded_input(module: nn.Module, x: Tensor) -> Tensor:
+    # `_reversed_padding_repeated_twice` holds the exact (possibly asymmetric, for "same")
+    # padding the layer applies, in F.pad order, for every padding mode.
+    pad = module._reversed_padding_repeated_twice  # type: ignore[union-attr]
+    mode = module.padding_mode  # type: ignore[union-attr]
+    if any(pad):
+        x = F.pad(x, list(pad), mode="constant" if mode == "zeros" else mode)
+    return x
+
+
+def _conv_activations(module: nn.Module, x: Tensor) -> Tensor:
+    x = _conv_padded_input(module, x)
+    patches = unfold_nd(x, module.kernel_size, module.stride, module.dilation)  # type: ignore[arg-type]
+    b, num_pos, c, k = patches.shape
+    g = module.groups  # type: ignore[union-attr]
+    a = patches.reshape(b, num_pos, g, (c // g) * k)
+    return _append_one(a) if _has_bias(module) else a
+
+
+def _conv_errors(module: nn.Module, dy: Tensor) -> Tensor:
+    b, c = dy.shape[:2]
+    g = module.groups  # type: ignore[union-attr]
+    d = dy.reshape(b, c, -1).transpose(1, 2)  # [B, T, C_out]
+    return d.reshape(b, d.shape[1], g, c // g)
+
+
+def _conv_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Tensor]:
+    shape = module.weight.shape  # type: ignore[union-attr]
+    return _split_bias(module, grads, lambda w: w.reshape(w.shape[0], *shape))
+
+
+def _conv_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> Tensor:
+    g = module.groups  # type: ignore[union-attr]
+    w = grads[module.weight]  # type: ignore[index]
+    b, c_out = w.shape[:2]
+    w = w.reshape(b, g, c_out // g, -1)
+    return _join_bias(module, grads, w)
+
+
+def _conv_dims(module: nn.Module) -> tuple[int, int, int]:
+    w = module.weight  # type: ignore[union-attr]
+    g = module.groups  # type: ignore[union-attr]
+    n_a = math.prod(w.shape[1:]) + int(_has_bias(module))
+    return g, n_a, w.shape[0] // g
+
+
+CONV = register_adapter(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
+    LayerAdapter(
+        "conv", _conv_activations, _conv_errors, _conv_to_params, _conv_from_params, _conv_dims
+    )
+)
+
+
+# --------------------------------------------------------------------------- ConvTransposeNd
+
+
+def _convt_activations(module: nn.Module, x: Tensor) -> Tensor:
+    n = x.dim() - 2
+    stride, dil = module.stride, module.dilation  # type: ignore[union-attr]
+    k, pad, opad = module.kernel_size, module.padding, module.output_padding  # type: ignore[union-attr]
+    b, c = x.shape[:2]
+    # Zero insertion: input samples land every `stride` positions.
+    size = [(s - 1) * st + 1 for s, st in zip(x.shape[2:], stride)]
+    z = x.new_zeros(b, c, *size)
+    z[(slice(None), slice(None), *[slice(None, None, st) for st in stride])] = x
+    # Re-pad: dil*(k-1)-pad on both sides, plus output_padding on the far side (negative crops).
+    pads: list[int] = []
+    for d in reversed(range(n)):
+        lo = dil[d] * (k[d] - 1) - pad[d]
+        pads += [lo, lo + opad[d]]
+    z = F.pad(z, pads)
+    patches = unfold_nd(z, k, (1,) * n, dil)
+    _, num_pos, _, kk = patches.shape
+    g = module.groups  # type: ignore[union-attr]
+    a = patches.reshape(b, num_pos, g, (c // g) * kk)
+    return _append_one(a) if _has_bias(module) else a
+
+
+def _convt_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Tensor]:
+    w_shape = module.weight.shape  # [C_in, C_out/g, *k]
+    g = module.groups  # type: ignore[union-attr]
+    n = len(w_shape) - 2
+    c_in, c_out_g, ks = w_shape[0], w_shape[1], tuple(w_shape[2:])
+
+    def weight(w: Tensor) -> Tensor:
+        b = w.shape[0]
+        w = w.reshape(b, g, c_out_g, c_in // g, *ks).flip(list(range(4, 4 + n)))
+        w = w.transpose(2, 3)  # [B, g, C_in/g, C_out/g, *k]
+        return w.reshape(b, c_in, c_out_g, *ks)
+
+    return _split_bias(module, grads, weight)
+
+
+def _convt_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> Tensor:
+    w = grads[module.weight]  # type: ignore[index]
+    g = module.groups  # type: ignore[union-attr]
+    b, c_in, c_out_g = w.shape[:3]
+    ks = tuple(w.shape[3:])
+    n = len(ks)
+    w = w.reshape(b, g, c_in // g, c_out_g, *ks).transpose(2, 3).flip(list(range(4, 4 + n)))
+    w = w.reshape(b, g, c_out_g, -1)
+    return _join_bias(module, grads, w)
+
+
+def _convt_dims(module: nn.Module) -> tuple[int, int, int]:
+    w = module.weight  # type: ignore[union-attr]
+    g = module.groups  # type: ignore[union-attr]
+    n_a = (w.shape[0] // g) * math.prod(w.shape[2:]) + int(_has_bias(module))
+    return g, n_a, w.shape[1]
+
+
+CONV_TRANSPOSE = register_adapter(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)(
+    LayerAdapter(
+        "conv_transpose",
+        _convt_activations,
+        _conv_errors,
+        _convt_to_params,
+        _convt_from_params,
+        _convt_dims,
+    )
+)

@@ -1,0 +1,236 @@
+r"""Kronecker factor estimation from a probe batch (never from private data).
+
+For every covered layer the probe pass captures the inputs ``a`` and output errors ``delta``
+in the adapter layout ``[M, T, G, n]`` and estimates (KFAC-expand, Eschenhagen et al. 2023)
+
+.. math::
+
+    A_g = \frac{1}{M T} \sum_{m,t} a_{m,t,g} a_{m,t,g}^\top, \qquad
+    G_g = \frac{1}{M} \sum_{m,t} \delta_{m,t,g} \delta_{m,t,g}^\top,
+
+or (KFAC-reduce) with ``a`` averaged and ``delta`` summed over positions first. ``delta`` is the
+gradient of the **sum** of per-sample losses, so it is a per-sample error and ``G`` keeps the
+per-sample scale (the authors' code used a mean-reduced loss, which shrinks ``G`` by ``1/M^2``
+and lets it collapse below the damping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from dpkfc_med.curvature.adapters import LayerAdapter, adapter_for, supported_layer_types
+
+__all__ = [
+    "CapturedLayer",
+    "FactorReduction",
+    "KroneckerFactors",
+    "capture_layers",
+    "covered_layers",
+    "estimate_factors",
+]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""``(outputs, targets) -> per-sample losses [M]``."""
+
+
+class FactorReduction(str, Enum):
+    """How positions (tokens, voxels) enter the factors."""
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
+
+
+@dataclass
+class KroneckerFactors:
+    """Factors of one layer: full ``[G, n, n]`` or diagonal ``[G, n]`` when too large."""
+
+    a: Tensor
+    g: Tensor
+    num_samples: int
+
+    @property
+    def a_is_diagonal(self) -> bool:
+        """Whether ``a`` holds only the diagonal."""
+        return self.a.dim() == 2
+
+    @property
+    def g_is_diagonal(self) -> bool:
+        """Whether ``g`` holds only the diagonal."""
+        return self.g.dim() == 2
+
+
+@dataclass
+class CapturedLayer:
+    """Inputs and output errors of one layer on one probe chunk, in adapter layout."""
+
+    name: str
+    module: nn.Module
+    adapter: LayerAdapter
+    a: Tensor  # [M, T, G, n_a]
+    delta: Tensor  # [M, T, G, n_g]
+
+
+def covered_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules with a registered adapter and a trainable weight, by dotted name."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if adapter_for(module) is not None and isinstance(w, Tensor) and w.requires_grad:
+            out[name] = module
+    return out
+
+
+@contextlib.contextmanager
+def _hooks(layers: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[Tensor, Tensor]]]]:
+    store: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in layers}
+    handles = []
+    for name, module in layers.items():
+
+        def hook(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor, name: str = name):
+            store[name].append((inputs[0].detach(), output))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture_layers(
+    model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: LossFn, layers: dict[str, nn.Module]
+) -> list[CapturedLayer]:
+    """Run one probe chunk and return every covered layer's ``a`` and per-sample ``delta``.
+
+    Uses ``torch.autograd.grad`` with respect to the layer outputs only, so no parameter's
+    ``.grad`` (or Opacus ``grad_sample``) is read or written.
+
+    Args:
+        model: the network (plain module; Opacus hooks must be disabled by the caller).
+        inputs: probe inputs ``[M, ...]``.
+        targets: probe targets.
+        loss_fn: per-sample loss ``[M]``; the sum over samples is differentiated.
+        layers: covered layers by name.
+    """
+    with _hooks(layers) as store, torch.enable_grad():
+        outputs = model(inputs)
+        loss = loss_fn(outputs, targets).sum()
+        outs = [o for n in layers for (_, o) in store[n]]
+        if not outs:
+            return []
+        errs = torch.autograd.grad(loss, outs, allow_unused=True)
+    captured: list[CapturedLayer] = []
+    idx = 0
+    for name, module in layers.items():
+        adapter = adapter_for(module)
+        assert adapter is not None  # guaranteed by covered_layers
+        for x, _ in store[name]:
+            dy = errs[idx]
+            idx += 1
+            if dy is None:  # layer output does not reach the loss
+                dy = torch.zeros_like(outs[idx - 1])
+            captured.append(
+                CapturedLayer(
+                    name,
+                    module,
+                    adapter,
+                    adapter.activations(module, x),
+                    adapter.errors(module, dy),
+                )
+            )
+    return captured
+
+
+def _accumulate(
+    acc: dict[str, list[Tensor]],
+    key: str,
+    a: Tensor,
+    d: Tensor,
+    reduction: FactorReduction,
+    max_dim: int,
+) -> None:
+    if reduction is FactorReduction.REDUCE:
+        a = a.mean(dim=1, keepdim=True)
+        d = d.sum(dim=1, keepdim=True)
+    t = a.shape[1]
+    a_sum = (
+        torch.einsum("mtgi,mtgi->gi", a, a)
+        if a.shape[-1] > max_dim
+        else torch.einsum("mtgi,mtgj->gij", a, a)
+    ) / t
+    g_sum = (
+        torch.einsum("mtgi,mtgi->gi", d, d)
+        if d.shape[-1] > max_dim
+        else torch.einsum("mtgi,mtgj->gij", d, d)
+    )
+    if key in acc:
+        acc[key][0] += a_sum
+        acc[key][1] += g_sum
+    else:
+        acc[key] = [a_sum, g_sum]
+
+
+def estimate_factors(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    loss_fn: LossFn,
+    *,
+    layers: dict[str, nn.Module] | None = None,
+    reduction: FactorReduction | str = FactorReduction.EXPAND,
+    chunk_size: int = 64,
+    max_factor_dim: int = 4096,
+    dtype: torch.dtype = torch.float64,
+) -> dict[str, KroneckerFactors]:
+    """Estimate ``A`` and ``G`` for every covered layer from probes.
+
+    Args:
+        model: the network at its current (released) parameters.
+        inputs: probe inputs ``[M, C, *spatial]`` (or token ids ``[M, T]``).
+        targets: probe targets (class ids ``[M]`` or label maps ``[M, *spatial]``).
+        loss_fn: per-sample loss ``(outputs, targets) -> [M]``.
+        layers: layers to cover (default: :func:`covered_layers`).
+        reduction: ``"expand"`` (default) or ``"reduce"`` for weight-shared positions.
+        chunk_size: probes per forward/backward pass (bounds memory).
+        max_factor_dim: factors with more rows than this are kept diagonal, so a large
+            Conv3d fan-in (e.g. 256 channels x 27 taps = 6912) never allocates a dense
+            ``n x n`` matrix or an ``O(n^3)`` eigendecomposition.
+        dtype: accumulation dtype of the returned factors.
+
+    Returns:
+        Factors by layer name. A module called several times per forward (weight sharing)
+        contributes all calls to one pair of factors.
+    """
+    reduction = FactorReduction(reduction)
+    layers = covered_layers(model) if layers is None else layers
+    unsupported = [
+        f"{name!r} ({type(m).__name__}) has no curvature adapter; supported types: "
+        f"{sorted(t.__name__ for t in supported_layer_types())}. Leave it out of `layers`: "
+        "its parameters are then preconditioned by the fallback (identity or diagonal) and "
+        "stay inside the clipped norm, or register an adapter with "
+        "dpkfc_med.curvature.adapters.register_adapter"
+        for name, m in layers.items()
+        if adapter_for(m) is None
+    ]
+    if unsupported:
+        raise ValueError("cannot estimate Kronecker factors:\n  " + "\n  ".join(unsupported))
+    acc: dict[str, list[Tensor]] = {}
+    m_total = inputs.shape[0]
+    if m_total == 0:
+        raise ValueError("estimate_factors: the probe batch is empty; ask for num_probes >= 1")
+    for start in range(0, m_total, chunk_size):
+        x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
+        for cap in capture_layers(model, x, y, loss_fn, layers):
+            _accumulate(
+                acc, cap.name, cap.a.to(dtype), cap.delta.to(dtype), reduction, max_factor_dim
+            )
+    out: dict[str, KroneckerFactors] = {}
+    for name, (a_sum, g_sum) in acc.items():
+        out[name] = KroneckerFactors(a_sum / m_total, g_sum / m_total, m_total)
+    return out

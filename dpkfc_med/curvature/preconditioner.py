@@ -1,0 +1,566 @@
+r"""The Kronecker preconditioner operator built from probes only.
+
+For a covered layer with factors ``A`` and ``G`` (see :mod:`dpkfc_med.curvature.factors`),
+
+.. math::
+
+    U_A = (A + \pi_A \bar\lambda_A I)^{-1/2}, \qquad
+    U_G = (G + \pi_G \bar\lambda_G I)^{-1/2}, \qquad
+    \tilde g_i = s \, U_G \, g_i \, U_A,
+
+where ``bar(lambda)`` is the factor's mean eigenvalue (damping is *relative*, so it means the
+same for every layer and refresh), and ``s`` a positive scalar. ``P = s (U_A kron U_G)`` is never
+materialised. Parameters no adapter covers (norm affines, raw ``nn.Parameter`` s such as
+position embeddings) use a documented fallback -- ``s * I`` (default) or ``s * diag(E[g^2] +
+damping)^{-1/2}`` from probe gradients -- and always stay inside the clipped norm.
+
+Scale rule (why the clip norm ``C`` keeps its meaning). On ``calibration_samples`` probe
+samples we compute raw per-sample gradient norms ``||g_i||`` and transformed norms
+``||U g_i||`` (all parameters, fallback included), then
+
+* ``global`` (default): one scalar ``s = median_i ||g_i|| / median_i ||U g_i||`` for the whole
+  network, so on probes the transformed per-sample norms have the same median as raw ones and
+  ``C`` can be chosen exactly as for DP-SGD; it is recomputed at every refresh, so ``C`` keeps
+  that meaning as the factors change.
+* ``per_layer``: each layer (fallback parameters grouped by their module) gets ``s_l`` so its
+  median transformed norm equals ``median_i ||g_i|| / sqrt(L)``: all ``L`` layers share the
+  clipped norm equally on probes (prevents one ill-conditioned layer from taking all of it).
+* ``none``: ``s = 1``.
+
+All of it depends only on probes and on the current (already released) parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dpkfc_med.curvature.adapters import LayerAdapter, adapter_for
+from dpkfc_med.curvature.factors import (
+    FactorReduction,
+    KroneckerFactors,
+    LossFn,
+    capture_layers,
+    covered_layers,
+    estimate_factors,
+)
+from dpkfc_med.utils import check_choice
+
+__all__ = [
+    "FactorMode",
+    "FallbackBlock",
+    "FallbackRule",
+    "KroneckerBlock",
+    "KroneckerPreconditioner",
+    "PreconditionerConfig",
+    "ScaleRule",
+    "inverse_sqrt",
+]
+
+
+class FactorMode(str, Enum):
+    """Which Kronecker factors are used."""
+
+    AG = "ag"  # U_G g U_A
+    A = "a"  # g U_A (activation whitening only; the safe mode of DESIGN.md 2b)
+    IDENTITY = "identity"  # no curvature (DP-SGD, up to the global scale)
+
+
+class ScaleRule(str, Enum):
+    """How the preconditioner's overall scale is normalised (see module docstring)."""
+
+    GLOBAL = "global"
+    PER_LAYER = "per_layer"
+    NONE = "none"
+
+
+class FallbackRule(str, Enum):
+    """Preconditioner for parameters no adapter covers."""
+
+    IDENTITY = "identity"
+    DIAGONAL = "diagonal"
+
+
+@dataclass
+class PreconditionerConfig:
+    """Settings of the probe-only preconditioner.
+
+    Attributes:
+        factors: ``"ag"``, ``"a"`` or ``"identity"``.
+        damping_a: relative damping of ``A`` (times its mean eigenvalue).
+        damping_g: relative damping of ``G``; the key hyperparameter (DESIGN.md 2b: 1e-3
+            collapses a binary task, 0.1 does not).
+        reduction: ``"expand"`` or ``"reduce"`` for weight-shared positions.
+        scaling: ``"global"``, ``"per_layer"`` or ``"none"``.
+        fallback: ``"identity"`` or ``"diagonal"``.
+        fallback_damping: relative damping of the diagonal fallback.
+        num_probes: probes per refresh.
+        chunk_size: probes per forward/backward pass.
+        calibration_samples: probe samples used for the scale rule and diagonal fallback.
+        max_factor_dim: factors larger than this are diagonal (memory rule).
+        eig_dtype: ``"float64"`` or ``"float32"`` for the eigendecompositions.
+    """
+
+    factors: FactorMode | str = FactorMode.AG
+    damping_a: float = 1e-3
+    damping_g: float = 0.1
+    reduction: FactorReduction | str = FactorReduction.EXPAND
+    scaling: ScaleRule | str = ScaleRule.GLOBAL
+    fallback: FallbackRule | str = FallbackRule.IDENTITY
+    fallback_damping: float = 1e-3
+    num_probes: int = 256
+    chunk_size: int = 64
+    calibration_samples: int = 16
+    max_factor_dim: int = 4096
+    eig_dtype: str = "float64"
+
+    def __post_init__(self) -> None:
+        self.factors = check_choice("preconditioner.factors", self.factors, FactorMode)
+        self.reduction = check_choice("preconditioner.reduction", self.reduction, FactorReduction)
+        self.scaling = check_choice("preconditioner.scaling", self.scaling, ScaleRule)
+        self.fallback = check_choice("preconditioner.fallback", self.fallback, FallbackRule)
+        problems = []
+        for key in ("damping_a", "damping_g", "fallback_damping"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                problems.append(f"preconditioner.{key}={v!r}: must be a positive number (e.g. 0.1)")
+        for key in ("num_probes", "chunk_size", "calibration_samples", "max_factor_dim"):
+            v = getattr(self, key)
+            if not (isinstance(v, int) and v >= 1):
+                problems.append(f"preconditioner.{key}={v!r}: must be a positive integer")
+        if self.eig_dtype not in ("float64", "float32"):
+            problems.append(
+                f"preconditioner.eig_dtype={self.eig_dtype!r}: use 'float64' or 'float32'"
+            )
+        if problems:
+            raise ValueError("invalid preconditioner settings:\n  " + "\n  ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable view."""
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, Enum):
+                d[k] = v.value
+        return d
+
+
+def inverse_sqrt(factor: Tensor, damping: float) -> Tensor:
+    """``(F + damping * mean_eig(F) * I)^{-1/2}`` for ``[G, n, n]`` (or diagonal ``[G, n]``).
+
+    Eigenvalues are clamped at 0 before damping (round-off can make them slightly negative).
+    An all-zero factor (a layer the probe loss does not reach) maps to the identity.
+    """
+    if factor.dim() == 2:
+        mean = factor.mean(dim=-1, keepdim=True)
+        lam = factor.clamp_min(0) + damping * mean
+        out = lam.rsqrt()
+        return torch.where(mean > 0, out, torch.ones_like(out))
+    evals, evecs = torch.linalg.eigh(factor)
+    mean = evals.clamp_min(0).mean(dim=-1, keepdim=True)
+    lam = evals.clamp_min(0) + damping * mean
+    inv = torch.where(mean > 0, lam.rsqrt(), torch.ones_like(lam))
+    return (evecs * inv.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+
+
+def _apply_right(x: Tensor, u: Tensor | None) -> Tensor:
+    """``x [..., G, n] -> x @ U`` per group (``U`` symmetric ``[G, n, n]`` or diagonal)."""
+    if u is None:
+        return x
+    if u.dim() == 2:
+        return x * u
+    return torch.einsum("...gi,gij->...gj", x, u)
+
+
+@dataclass
+class KroneckerBlock:
+    """Transform ``g -> s U_G g U_A`` of one covered layer (``None`` factors are identities).
+
+    Attributes:
+        name: dotted module name.
+        module: the layer.
+        adapter: its layout adapter.
+        u_a: ``[G, n_a, n_a]``, diagonal ``[G, n_a]`` or ``None``.
+        u_g: ``[G, n_g, n_g]``, diagonal ``[G, n_g]`` or ``None``.
+        scale: the scalar ``s``.
+    """
+
+    name: str
+    module: nn.Module
+    adapter: LayerAdapter
+    u_a: Tensor | None = None
+    u_g: Tensor | None = None
+    scale: float = 1.0
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """``(G, n_a, n_g)``."""
+        return self.adapter.dims(self.module)
+
+    def _cost(self, b: int, t: int) -> tuple[float, float]:
+        g, n_a, n_g = self.dims
+        full_a = self.u_a is not None and self.u_a.dim() == 3
+        full_g = self.u_g is not None and self.u_g.dim() == 3
+        base = b * t * g * n_a * n_g
+        factored = base + b * t * g * (full_a * n_a * n_a + full_g * n_g * n_g)
+        materialized = base + b * g * (full_g * n_g * n_g * n_a + full_a * n_g * n_a * n_a)
+        return float(factored), float(materialized)
+
+    def choose_path(self, b: int, t: int) -> str:
+        """The cheaper way to form transformed per-sample gradients.
+
+        ``"factored"`` transforms ``a`` and ``delta``; ``"materialized"`` transforms the
+        per-sample gradient; the one with fewer multiply-adds wins.
+        """
+        factored, materialized = self._cost(b, t)
+        return "factored" if factored <= materialized else "materialized"
+
+    def transform_grads(self, grads: Tensor) -> Tensor:
+        """``[B, G, n_g, n_a] -> s U_G grads U_A`` (the literal per-sample product)."""
+        out = grads
+        if self.u_a is not None:
+            if self.u_a.dim() == 2:
+                out = out * self.u_a.unsqueeze(1)
+            else:
+                out = torch.einsum("bgoi,gij->bgoj", out, self.u_a)
+        if self.u_g is not None:
+            if self.u_g.dim() == 2:
+                out = out * self.u_g.unsqueeze(-1)
+            else:
+                out = torch.einsum("gij,bgjk->bgik", self.u_g, out)
+        return out * self.scale if self.scale != 1.0 else out
+
+    def per_sample_grads(
+        self, a: Tensor, delta: Tensor, *, path: str | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Transformed per-sample gradients ``[B, G, n_g, n_a]`` from captured ``a``/``delta``.
+
+        Args:
+            a: ``[B, T, G, n_a]``.
+            delta: ``[B, T, G, n_g]``.
+            path: force ``"factored"`` or ``"materialized"`` (default: cheaper one).
+
+        Returns:
+            ``(transformed, raw_or_None)``; the raw per-sample gradients are returned only on
+            the materialized path, where they exist anyway.
+        """
+        path = path or self.choose_path(a.shape[0], a.shape[1])
+        if path == "factored":
+            a_t = _apply_right(a, self.u_a)
+            d_t = _apply_right(delta, self.u_g)
+            out = torch.einsum("btgo,btgi->bgoi", d_t, a_t)
+            return (out * self.scale if self.scale != 1.0 else out), None
+        raw = torch.einsum("btgo,btgi->bgoi", delta, a)
+        return self.transform_grads(raw), raw
+
+
+@dataclass
+class FallbackBlock:
+    """Transform of a parameter no adapter covers: ``g -> s * diag * g`` (diag may be 1)."""
+
+    name: str
+    param: nn.Parameter
+    module_name: str
+    scale: float = 1.0
+    diag: Tensor | None = None
+
+    def transform(self, grad_sample: Tensor) -> Tensor:
+        """``[B, *param.shape] -> [B, *param.shape]``."""
+        out = grad_sample if self.diag is None else grad_sample * self.diag
+        return out * self.scale if self.scale != 1.0 else out
+
+
+def _fallback_params(
+    model: nn.Module, covered: dict[str, nn.Module]
+) -> list[tuple[str, str, nn.Parameter]]:
+    owned = {id(p) for m in covered.values() for p in m.parameters(recurse=False)}
+    out = []
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in owned:
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                out.append((full, mod_name, p))
+    return out
+
+
+def _spectrum_stats(factor: Tensor) -> dict[str, float]:
+    ev = factor.flatten() if factor.dim() == 2 else torch.linalg.eigvalsh(factor).flatten()
+    ev = ev.clamp_min(0)
+    total = float(ev.sum())
+    eff_rank = total**2 / float((ev**2).sum()) if total > 0 else 0.0
+    return {
+        "max_eig": float(ev.max()),
+        "mean_eig": float(ev.mean()),
+        "min_eig": float(ev.min()),
+        "effective_rank": eff_rank,
+    }
+
+
+class KroneckerPreconditioner:
+    """Block-diagonal Kronecker preconditioner over the whole network (never materialised).
+
+    Privacy guarantee:
+        Built by :meth:`from_probes` from synthetic probes and the model's current parameters
+        only; when those parameters are the output of earlier DP steps, the preconditioner is
+        post-processing and costs no privacy budget. It never reads ``.grad``/``grad_sample``.
+    """
+
+    def __init__(
+        self,
+        blocks: dict[str, KroneckerBlock],
+        fallbacks: dict[str, FallbackBlock],
+        config: PreconditionerConfig,
+        info: dict[str, Any] | None = None,
+        factors: dict[str, KroneckerFactors] | None = None,
+    ) -> None:
+        self.blocks = blocks
+        self.fallbacks = fallbacks
+        self.config = config
+        self.info: dict[str, Any] = info or {}
+        self.factors = factors or {}
+
+    # ----------------------------------------------------------------------- construction
+    @classmethod
+    def identity(
+        cls, model: nn.Module, config: PreconditionerConfig | None = None
+    ) -> KroneckerPreconditioner:
+        """Identity on every parameter (scale 1): DP-SGD through the DP-KFC code path."""
+        cfg = config or PreconditionerConfig(factors="identity", scaling="none")
+        covered = covered_layers(model)
+        blocks = {n: KroneckerBlock(n, m, adapter_for(m)) for n, m in covered.items()}  # type: ignore[arg-type]
+        fallbacks = {n: FallbackBlock(n, p, mn) for n, mn, p in _fallback_params(model, covered)}
+        return cls(blocks, fallbacks, cfg, {"scale": 1.0})
+
+    @classmethod
+    def from_probes(
+        cls,
+        model: nn.Module,
+        inputs: Tensor,
+        targets: Tensor,
+        loss_fn: LossFn,
+        config: PreconditionerConfig | None = None,
+        *,
+        keep_factors: bool = False,
+    ) -> KroneckerPreconditioner:
+        """Estimate factors on probes, invert them and normalise the scale.
+
+        Args:
+            model: the network at its current parameters (plain ``nn.Module``).
+            inputs: probe inputs ``[M, ...]``; must be finite.
+            targets: probe targets.
+            loss_fn: per-sample loss ``(outputs, targets) -> [M]``.
+            config: settings.
+            keep_factors: keep ``A``/``G`` on the object (for spectra in notebooks).
+        """
+        cfg = config or PreconditionerConfig()
+        if torch.is_floating_point(inputs) and not bool(torch.isfinite(inputs).all()):
+            raise ValueError(
+                "probe inputs contain NaN or Inf; check the probe source "
+                "(alpha, intensity range) -- probes must be finite"
+            )
+        t0 = time.perf_counter()
+        covered = covered_layers(model)
+        eig_dtype = torch.float64 if cfg.eig_dtype == "float64" else torch.float32
+        blocks: dict[str, KroneckerBlock] = {}
+        factors: dict[str, KroneckerFactors] = {}
+        spectra: dict[str, dict[str, Any]] = {}
+        if cfg.factors is not FactorMode.IDENTITY:
+            factors = estimate_factors(
+                model,
+                inputs,
+                targets,
+                loss_fn,
+                layers=covered,
+                reduction=cfg.reduction,
+                chunk_size=cfg.chunk_size,
+                max_factor_dim=cfg.max_factor_dim,
+                dtype=eig_dtype,
+            )
+        t_factors = time.perf_counter() - t0
+        for name, module in covered.items():
+            adapter = adapter_for(module)
+            assert adapter is not None
+            u_a = u_g = None
+            if name in factors:
+                f = factors[name]
+                ref = module.weight
+                u_a = inverse_sqrt(f.a, cfg.damping_a).to(ref.dtype)
+                spectra[name] = {"A": _spectrum_stats(f.a)}
+                if cfg.factors is FactorMode.AG:
+                    u_g = inverse_sqrt(f.g, cfg.damping_g).to(ref.dtype)
+                    spectra[name]["G"] = _spectrum_stats(f.g)
+            blocks[name] = KroneckerBlock(name, module, adapter, u_a, u_g)
+        t_inv = time.perf_counter() - t0 - t_factors
+        fallbacks = {n: FallbackBlock(n, p, mn) for n, mn, p in _fallback_params(model, covered)}
+        pre = cls(blocks, fallbacks, cfg, factors=factors if keep_factors else None)
+        calib = pre._calibrate(model, inputs, targets, loss_fn)
+        pre.info = {
+            "num_probes": int(inputs.shape[0]),
+            "seconds_factors": t_factors,
+            "seconds_inverse": t_inv,
+            "seconds_total": time.perf_counter() - t0,
+            "spectra": spectra,
+            **calib,
+        }
+        return pre
+
+    def _calibrate(
+        self, model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: LossFn
+    ) -> dict[str, Any]:
+        cfg = self.config
+        n = min(cfg.calibration_samples, inputs.shape[0])
+        x, y = inputs[:n], targets[:n]
+        raw_sq = torch.zeros(n, dtype=torch.float64)
+        unit_sq: dict[str, Tensor] = {}  # transformed (scale 1) squared norms per unit
+        for cap in capture_layers(
+            model, x, y, loss_fn, {b.name: b.module for b in self.blocks.values()}
+        ):
+            block = self.blocks[cap.name]
+            raw = torch.einsum("btgo,btgi->bgoi", cap.delta, cap.a)
+            saved, block.scale = block.scale, 1.0
+            trans = block.transform_grads(raw)
+            block.scale = saved
+            raw_sq += raw.pow(2).flatten(1).sum(1).double().cpu()
+            sq = trans.pow(2).flatten(1).sum(1).double().cpu()
+            unit_sq[cap.name] = unit_sq.get(cap.name, 0) + sq
+        if self.fallbacks:
+            params = [fb.param for fb in self.fallbacks.values()]
+            per_sample = [
+                torch.autograd.grad(
+                    loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum(), params, allow_unused=True
+                )
+                for i in range(n)
+            ]
+            for j, fb in enumerate(self.fallbacks.values()):
+                gs = torch.stack(
+                    [g[j] if g[j] is not None else torch.zeros_like(fb.param) for g in per_sample]
+                )
+                if cfg.fallback is FallbackRule.DIAGONAL:
+                    second = gs.pow(2).mean(0)
+                    fb.diag = inverse_sqrt(
+                        second.flatten().unsqueeze(0), cfg.fallback_damping
+                    ).reshape(fb.param.shape)
+                raw_sq += gs.pow(2).flatten(1).sum(1).double().cpu()
+                key = f"{fb.module_name} (fallback)"
+                saved, fb.scale = fb.scale, 1.0
+                unit_sq[key] = (
+                    unit_sq.get(key, 0) + fb.transform(gs).pow(2).flatten(1).sum(1).double().cpu()
+                )
+                fb.scale = saved
+        total_sq = sum(unit_sq.values()) if unit_sq else torch.zeros(n, dtype=torch.float64)
+        raw_med = float(raw_sq.sqrt().median())
+        trans_med = float(torch.as_tensor(total_sq).sqrt().median())
+        global_s = raw_med / trans_med if trans_med > 0 and raw_med > 0 else 1.0
+        scales: dict[str, float] = {}
+        if cfg.scaling is ScaleRule.NONE:
+            scales = {k: 1.0 for k in unit_sq}
+        elif cfg.scaling is ScaleRule.GLOBAL:
+            scales = {k: global_s for k in unit_sq}
+        else:
+            target = raw_med / math.sqrt(max(len(unit_sq), 1))
+            for k, sq in unit_sq.items():
+                med = float(sq.sqrt().median())
+                scales[k] = target / med if med > 0 and target > 0 else global_s
+        for name, block in self.blocks.items():
+            block.scale = scales.get(name, global_s if cfg.scaling is ScaleRule.GLOBAL else 1.0)
+        for fb in self.fallbacks.values():
+            fb.scale = scales.get(f"{fb.module_name} (fallback)", global_s)
+        share = {k: float((v * scales.get(k, 1.0) ** 2).sum()) for k, v in unit_sq.items()}
+        tot = sum(share.values()) or 1.0
+        return {
+            "calibration_samples": n,
+            "probe_median_raw_norm": raw_med,
+            "probe_median_transformed_norm_unscaled": trans_med,
+            "scale": global_s,
+            "layer_scales": scales,
+            "probe_layer_share": {k: v / tot for k, v in share.items()},
+        }
+
+    # ---------------------------------------------------------------------------- use
+    def attach(self, model: nn.Module) -> None:
+        """Point every covered module at its block (read by the per-sample gradient hooks)."""
+        for block in self.blocks.values():
+            block.module._dpkfc_block = block  # type: ignore[assignment]
+
+    @staticmethod
+    def detach(model: nn.Module) -> None:
+        """Remove block pointers: hooks then compute raw (DP-SGD) per-sample gradients."""
+        for m in model.modules():
+            if hasattr(m, "_dpkfc_block"):
+                del m._dpkfc_block
+
+    def transform_param_grads(
+        self, grads: dict[nn.Parameter, Tensor]
+    ) -> dict[nn.Parameter, Tensor]:
+        """Reference (literal) transform of materialised per-sample gradients of all params.
+
+        Args:
+            grads: ``{param: [B, *param.shape]}`` for every trainable parameter.
+        """
+        out: dict[nn.Parameter, Tensor] = {}
+        for block in self.blocks.values():
+            mats = block.adapter.from_params(block.module, grads)
+            out.update(block.adapter.to_params(block.module, block.transform_grads(mats)))
+        for fb in self.fallbacks.values():
+            out[fb.param] = fb.transform(grads[fb.param])
+        return out
+
+    def param_layer_names(self) -> dict[int, str]:
+        """``id(param) -> layer name`` used for per-layer diagnostics."""
+        out: dict[int, str] = {}
+        for name, block in self.blocks.items():
+            for p in block.module.parameters(recurse=False):
+                out[id(p)] = name
+        for fb in self.fallbacks.values():
+            out[id(fb.param)] = f"{fb.module_name} (fallback)"
+        return out
+
+    def coverage(self) -> list[dict[str, Any]]:
+        """One row per covered layer and per fallback parameter."""
+        rows: list[dict[str, Any]] = []
+        for name, b in self.blocks.items():
+            g, n_a, n_g = b.dims
+            rows.append(
+                {
+                    "layer": name,
+                    "type": type(b.module).__name__,
+                    "adapter": b.adapter.name,
+                    "groups": g,
+                    "A_dim": n_a,
+                    "G_dim": n_g,
+                    "A": "none" if b.u_a is None else ("diagonal" if b.u_a.dim() == 2 else "full"),
+                    "G": "none" if b.u_g is None else ("diagonal" if b.u_g.dim() == 2 else "full"),
+                    "scale": b.scale,
+                    "params": sum(p.numel() for p in b.module.parameters(recurse=False)),
+                }
+            )
+        for name, fb in self.fallbacks.items():
+            rows.append(
+                {
+                    "layer": name,
+                    "type": "parameter",
+                    "adapter": f"fallback:{'diagonal' if fb.diag is not None else 'identity'}",
+                    "groups": 1,
+                    "A_dim": 0,
+                    "G_dim": 0,
+                    "A": "none",
+                    "G": "none",
+                    "scale": fb.scale,
+                    "params": fb.param.numel(),
+                }
+            )
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-serialisable description for the privacy report."""
+        return {"config": self.config.to_dict(), "coverage": self.coverage(), **self.info}
+
+
+def coverage_summary(model: nn.Module) -> list[dict[str, Any]]:
+    """Coverage table of ``model`` before any probe pass (identity factors)."""
+    return KroneckerPreconditioner.identity(model).coverage()

@@ -1,0 +1,207 @@
+"""The privacy ledger: immutable mechanism events and epsilon from several accountants.
+
+Every noisy step is one Poisson-subsampled Gaussian mechanism with sample rate ``q`` and noise
+multiplier ``sigma`` (noise std ``sigma * C`` on a sum of per-unit contributions clipped to
+``C``). The ledger records runs of identical steps and answers epsilon at ``delta`` with
+
+* ``prv``: Opacus' PRV accountant (Gopi et al. 2021), upper bound of its estimate -- primary;
+* ``rdp``: Opacus' RDP accountant (Mironov 2017) -- cross-check;
+* ``pld``: Google's ``dp_accounting`` privacy-loss-distribution accountant -- an independent
+  implementation used to cross-check the Opacus figures.
+
+Neighbouring relation: add/remove one privacy unit (a sample, or a patient when units are
+patients). Sampling must be Poisson with the recorded rate; the engine guarantees it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from dpkfc_med.utils import check_choice
+
+__all__ = [
+    "Accountant",
+    "GaussianSteps",
+    "PrivacyLedger",
+    "calibrate_noise_multiplier",
+    "epsilon_for",
+]
+
+LEDGER_SCHEMA = "dpkfc_med.ledger/1"
+
+
+class Accountant(str, Enum):
+    """Accountants that can answer epsilon."""
+
+    PRV = "prv"
+    RDP = "rdp"
+    PLD = "pld"
+
+
+@dataclass(frozen=True)
+class GaussianSteps:
+    """``steps`` identical Poisson-subsampled Gaussian mechanisms."""
+
+    sample_rate: float
+    noise_multiplier: float
+    steps: int
+
+
+def _opacus_epsilon(events: list[GaussianSteps], delta: float, kind: Accountant) -> float:
+    acc = PRVAccountant() if kind is Accountant.PRV else RDPAccountant()
+    acc.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
+    return float(acc.get_epsilon(delta=delta))
+
+
+def _pld_epsilon(events: list[GaussianSteps], delta: float) -> float:
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+
+    acc = PLDAccountant(value_discretization_interval=1e-4)
+    for e in events:
+        event = dp_accounting.PoissonSampledDpEvent(
+            e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)
+        )
+        acc.compose(event, e.steps)
+    return float(acc.get_epsilon(delta))
+
+
+def epsilon_for(
+    events: list[GaussianSteps], delta: float, accountant: Accountant | str = Accountant.PRV
+) -> float:
+    """Epsilon at ``delta`` spent by ``events`` (0 when nothing was spent)."""
+    kind = check_choice("accountant", accountant, Accountant)
+    events = [e for e in events if e.steps > 0]
+    if not events:
+        return 0.0
+    if any(e.noise_multiplier <= 0 for e in events):
+        return math.inf
+    if kind is Accountant.PLD:
+        return _pld_epsilon(events, delta)
+    return _opacus_epsilon(events, delta, kind)
+
+
+def calibrate_noise_multiplier(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant | str = Accountant.PRV,
+) -> float:
+    """Smallest noise multiplier whose epsilon after ``steps`` is at most ``target_epsilon``.
+
+    Uses Opacus' binary search; the result is re-checked so the plan never exceeds the target.
+    """
+    kind = check_choice("accountant", accountant, Accountant)
+    opacus_kind = "rdp" if kind is Accountant.RDP else "prv"
+    sigma = float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=opacus_kind,
+            epsilon_tolerance=0.005,
+        )
+    )
+    # Opacus stops inside its tolerance band; never hand back a plan above the target.
+    while epsilon_for([GaussianSteps(sample_rate, sigma, steps)], delta, kind) > target_epsilon:
+        sigma *= 1.01
+    return sigma
+
+
+class PrivacyLedger:
+    """Append-only record of the mechanisms a run executed.
+
+    The ledger is written to disk (atomically) *before* each noisy update is applied, so a
+    crash or interrupt can only over-report, never under-report, the budget spent.
+
+    Args:
+        delta: the delta at which epsilon is reported.
+        path: optional JSON file kept in sync with every record.
+    """
+
+    def __init__(self, delta: float, path: str | Path | None = None) -> None:
+        if not 0 < delta < 1:
+            raise ValueError(f"privacy.delta={delta!r}: must be in (0, 1), e.g. 1e-5")
+        self.delta = delta
+        self.path = Path(path) if path is not None else None
+        self.events: list[GaussianSteps] = []
+        self.meta: dict[str, Any] = {}
+
+    @property
+    def steps(self) -> int:
+        """Noisy steps recorded."""
+        return sum(e.steps for e in self.events)
+
+    def record(self, sample_rate: float, noise_multiplier: float, steps: int = 1) -> None:
+        """Record ``steps`` more mechanisms (merged with the last run when identical)."""
+        last = self.events[-1] if self.events else None
+        if last and last.sample_rate == sample_rate and last.noise_multiplier == noise_multiplier:
+            self.events[-1] = GaussianSteps(sample_rate, noise_multiplier, last.steps + steps)
+        else:
+            self.events.append(GaussianSteps(sample_rate, noise_multiplier, steps))
+        self.save()
+
+    def epsilon(
+        self, accountant: Accountant | str = Accountant.PRV, delta: float | None = None
+    ) -> float:
+        """Epsilon spent at ``delta`` (default: the ledger's delta)."""
+        return epsilon_for(self.events, self.delta if delta is None else delta, accountant)
+
+    def all_epsilons(self) -> dict[str, float]:
+        """Epsilon from every accountant, and the most conservative of them."""
+        out = {k.value: self.epsilon(k) for k in Accountant}
+        out["max"] = max(out.values())
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view (schema ``dpkfc_med.ledger/1``)."""
+        return {
+            "schema": LEDGER_SCHEMA,
+            "delta": self.delta,
+            "events": [asdict(e) for e in self.events],
+            "steps": self.steps,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: str | Path | None = None) -> PrivacyLedger:
+        """Inverse of :meth:`to_dict`."""
+        if data.get("schema") != LEDGER_SCHEMA:
+            raise ValueError(
+                f"ledger schema {data.get('schema')!r} is not {LEDGER_SCHEMA!r}; "
+                "the file was written by another version"
+            )
+        led = cls(float(data["delta"]), path)
+        led.events = [GaussianSteps(**e) for e in data["events"]]
+        led.meta = dict(data.get("meta", {}))
+        return led
+
+    @classmethod
+    def load(cls, path: str | Path) -> PrivacyLedger:
+        """Read a ledger file and keep writing to it."""
+        return cls.from_dict(json.loads(Path(path).read_text()), path)
+
+    def save(self) -> None:
+        """Atomically rewrite the ledger file (no-op without a path)."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".ledger-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)

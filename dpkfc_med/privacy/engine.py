@@ -1,0 +1,411 @@
+"""The engine: one call wires model, scale-then-privatize optimizer, Poisson loader and ledger.
+
+In the spirit of Opacus' ``PrivacyEngine.make_private``; the engine additionally owns the
+probe source and the preconditioner refresh schedule (every ``refresh_every`` steps and at step
+0, from fresh probes at the current, already released, parameters).
+
+Privacy guarantee:
+    Each step is a Poisson-subsampled Gaussian mechanism over privacy units (samples, or
+    patients when the optimizer is given unit ids) with sensitivity ``C``: units are sampled
+    independently with probability ``q`` (Opacus' sampler, or the OS CSPRNG in secure mode),
+    per-unit transformed gradients are clipped to ``C`` and ``N(0, sigma^2 C^2)`` noise is
+    added. The preconditioner depends only on probes and released parameters, so it is
+    post-processing. The ledger is written before each update is applied.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from opacus.data_loader import DPDataLoader
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from dpkfc_med.curvature.factors import LossFn, covered_layers
+from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
+from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
+from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
+from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
+from dpkfc_med.privacy.rng import SecurePoissonSampler
+from dpkfc_med.utils import check_choice
+
+__all__ = ["Method", "PrivacyEngine", "check_model_compatible"]
+
+
+class Method(str, Enum):
+    """Private training methods."""
+
+    DP_SGD = "dp-sgd"
+    DP_KFC = "dp-kfc"
+
+
+def check_model_compatible(model: nn.Module) -> None:
+    """Raise one error listing every module that breaks per-sample privacy, with the fix."""
+    from opacus.validators import ModuleValidator
+
+    problems = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            problems.append(
+                f"{name or '<root>'}: {type(m).__name__} mixes samples and breaks per-sample "
+                "privacy; call dpkfc_med.models.make_private_compatible(model) or choose "
+                'norm="instance"/"group"'
+            )
+        elif getattr(m, "inplace", False) is True:
+            problems.append(
+                f"{name or '<root>'}: {type(m).__name__}(inplace=True) corrupts the activations "
+                "captured by the per-sample gradient hooks; call "
+                "dpkfc_med.models.make_private_compatible(model) (turns inplace off)"
+            )
+    if not problems:
+        for err in ModuleValidator.validate(model, strict=False):
+            problems.append(f"{err}; call dpkfc_med.models.make_private_compatible(model)")
+    if problems:
+        raise ValueError(
+            "model is not compatible with private training:\n  " + "\n  ".join(problems)
+        )
+
+
+def _poisson_loader(
+    data_loader: DataLoader, *, generator: torch.Generator | None, secure: bool
+) -> DataLoader:
+    """Poisson-sampled loader with the expected batch size of ``data_loader``."""
+    dataset = data_loader.dataset
+    n = len(dataset)  # type: ignore[arg-type]
+    if n == 0:
+        raise ValueError("the training split is empty; private training needs at least one unit")
+    sample_rate = 1 / len(data_loader)
+    first = dataset[0]
+    if isinstance(first, (tuple, list)):
+        dp = DPDataLoader.from_data_loader(data_loader, generator=generator)
+        if not secure:
+            return dp
+        collate = dp.collate_fn
+    else:  # dict items (MONAI style): the caller's collate must handle an empty list
+        collate = data_loader.collate_fn
+    sampler: Any = (
+        SecurePoissonSampler(num_samples=n, sample_rate=sample_rate)
+        if secure
+        else UniformWithReplacementSampler(
+            num_samples=n, sample_rate=sample_rate, generator=generator
+        )
+    )
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=data_loader.num_workers,
+        pin_memory=data_loader.pin_memory,
+    )
+    loader.sample_rate = sample_rate  # type: ignore[attr-defined]
+    return loader
+
+
+class PrivacyEngine:
+    """Makes a model, optimizer and loader private with DP-SGD or DP-KFC.
+
+    Args:
+        accountant: primary accountant (``"prv"``; ``"rdp"``/``"pld"`` for cross-checks).
+        secure_mode: draw sampling and noise randomness from the OS CSPRNG (production).
+        seed: seeds the sampler and noise generators (research runs; not with secure_mode).
+    """
+
+    def __init__(
+        self,
+        *,
+        accountant: Accountant | str = Accountant.PRV,
+        secure_mode: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        self.accountant = check_choice("privacy.accountant", accountant, Accountant)
+        if secure_mode and seed is not None:
+            raise ValueError(
+                "privacy.secure_rng=true cannot be combined with a seed: secure runs draw "
+                "their randomness from the OS CSPRNG; drop the seed or turn secure_rng off"
+            )
+        self.secure_mode = secure_mode
+        self.seed = seed
+        self.noise_generator: torch.Generator | None = None
+        self.sample_generator: torch.Generator | None = None
+        if seed is not None:
+            self.noise_generator = torch.Generator().manual_seed(seed)
+            self.sample_generator = torch.Generator().manual_seed(seed + 1)
+        self.ledger: PrivacyLedger | None = None
+        self.module: PreconditionedGradSampleModule | None = None
+        self.optimizer: ScaleThenPrivatizeOptimizer | None = None
+        self.method = Method.DP_SGD
+        self.probe_source: Any = None
+        self.probe_loss: LossFn | None = None
+        self.preconditioner_config: PreconditionerConfig | None = None
+        self.refresh_every = 0
+        self.probe_seed = 0
+        self.refreshes: list[dict[str, Any]] = []
+        self.sample_rate = 0.0
+        self.noise_multiplier = 0.0
+        self.max_grad_norm = 0.0
+
+    # ------------------------------------------------------------------ wiring
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        delta: float,
+        method: Method | str = Method.DP_KFC,
+        probe_source: Any = None,
+        probe_loss: LossFn | None = None,
+        preconditioner: PreconditionerConfig | None = None,
+        refresh_every: int = 20,
+        probe_seed: int = 0,
+        max_steps: int | None = None,
+        loss_reduction: str = "mean",
+        ledger_path: str | Path | None = None,
+        diagnostics: bool = True,
+    ) -> tuple[PreconditionedGradSampleModule, ScaleThenPrivatizeOptimizer, DataLoader]:
+        """Wrap for private training.
+
+        Args:
+            module: the network (already made DP-compatible).
+            optimizer: base optimizer over ``module``'s parameters.
+            data_loader: loader over the private training set whose ``batch_size`` is the
+                expected batch size (expected number of units); replaced by a Poisson loader.
+            noise_multiplier: ``sigma``.
+            max_grad_norm: clip norm ``C``.
+            delta: the delta epsilon is reported at.
+            method: ``"dp-kfc"`` or ``"dp-sgd"``.
+            probe_source: object with ``sample(num, seed=..., model=..., device=..., dtype=...)``
+                returning ``(inputs, targets)`` -- required for dp-kfc. Never private data.
+            probe_loss: per-sample loss on probes ``(outputs, targets) -> [M]``.
+            preconditioner: preconditioner settings (dp-kfc).
+            refresh_every: rebuild the preconditioner every this many steps (0: never after
+                step 0).
+            probe_seed: seed of the first probe batch; refresh ``k`` uses ``probe_seed + k``.
+            max_steps: refuse steps beyond this (the privacy plan).
+            loss_reduction: ``"mean"`` or ``"sum"`` of the training loss over the batch.
+            ledger_path: keep the ledger in this JSON file (written before each update).
+            diagnostics: record per-step clipping diagnostics.
+
+        Returns:
+            ``(private_module, private_optimizer, poisson_loader)``.
+        """
+        self.method = check_choice("method", method, Method)
+        problems = []
+        if not (noise_multiplier >= 0):
+            problems.append(f"noise_multiplier={noise_multiplier!r}: must be >= 0")
+        if not (max_grad_norm > 0):
+            problems.append(f"max_grad_norm={max_grad_norm!r}: must be > 0 (e.g. 1.0)")
+        if self.method is Method.DP_KFC and (probe_source is None or probe_loss is None):
+            problems.append(
+                "method=dp-kfc needs probe_source and probe_loss (e.g. "
+                "dpkfc_med.probes.ImageProbeSource and a per-sample loss); or use method=dp-sgd"
+            )
+        if problems:
+            raise ValueError("invalid privacy settings:\n  " + "\n  ".join(problems))
+        check_model_compatible(module)
+        if isinstance(module, PreconditionedGradSampleModule):
+            gsm = module
+        else:
+            gsm = PreconditionedGradSampleModule(module, loss_reduction=loss_reduction)
+        loader = _poisson_loader(
+            data_loader, generator=self.sample_generator, secure=self.secure_mode
+        )
+        self.sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
+        n_units = len(data_loader.dataset)  # type: ignore[arg-type]
+        expected = max(1, round(self.sample_rate * n_units))
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = max_grad_norm
+        self.ledger = PrivacyLedger(delta, ledger_path) if self.ledger is None else self.ledger
+        self.ledger.meta.update(
+            {"sample_rate": self.sample_rate, "units": n_units, "expected_batch_size": expected}
+        )
+        opt = ScaleThenPrivatizeOptimizer(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected,
+            loss_reduction=loss_reduction,
+            generator=self.noise_generator,
+            secure_mode=self.secure_mode,
+            max_steps=max_steps,
+            diagnostics=diagnostics,
+        )
+        opt.attach_step_hook(self._record_step)
+        self.module, self.optimizer = gsm, opt
+        for name, m in gsm._module.named_modules():
+            for p_name, p in m.named_parameters(recurse=False):
+                p._dpkfc_owner = m  # type: ignore[attr-defined]
+                p._dpkfc_name = name or p_name  # type: ignore[attr-defined]
+        if self.method is Method.DP_KFC:
+            self.probe_source, self.probe_loss = probe_source, probe_loss
+            self.preconditioner_config = preconditioner or PreconditionerConfig()
+            self.refresh_every, self.probe_seed = refresh_every, probe_seed
+            self._check_probe_shape(data_loader)
+            self.refresh_preconditioner()
+            if refresh_every > 0:
+                opt.post_step_hooks.append(self._maybe_refresh)
+        return gsm, opt, loader
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        target_epsilon: float,
+        delta: float,
+        data_loader: DataLoader,
+        epochs: int | None = None,
+        steps: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[PreconditionedGradSampleModule, ScaleThenPrivatizeOptimizer, DataLoader]:
+        """:meth:`make_private` with ``sigma`` calibrated to a target epsilon.
+
+        The planned steps spend at most ``target_epsilon``; steps beyond the plan are refused.
+        """
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs or steps")
+        sample_rate = 1 / len(data_loader)
+        planned = steps if steps is not None else int(epochs * len(data_loader))  # type: ignore[operator]
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=target_epsilon,
+            delta=delta,
+            sample_rate=sample_rate,
+            steps=planned,
+            accountant=self.accountant,
+        )
+        return self.make_private(
+            data_loader=data_loader,
+            noise_multiplier=sigma,
+            delta=delta,
+            max_steps=planned,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ ledger
+    def _record_step(self, optimizer: ScaleThenPrivatizeOptimizer) -> None:
+        # Called by Opacus inside pre_step, after noise is drawn and BEFORE the parameters
+        # change: the ledger on disk is ahead of (never behind) what was released.
+        assert self.ledger is not None
+        self.ledger.record(self.sample_rate, self.noise_multiplier)
+
+    def get_epsilon(
+        self, delta: float | None = None, accountant: Accountant | str | None = None
+    ) -> float:
+        """Epsilon spent so far (primary accountant unless another is named)."""
+        if self.ledger is None:
+            return 0.0
+        return self.ledger.epsilon(accountant or self.accountant, delta)
+
+    # ------------------------------------------------------------------ probes
+    def _probe_module(self) -> nn.Module:
+        assert self.module is not None
+        return self.module._module
+
+    def _check_probe_shape(self, data_loader: DataLoader) -> None:
+        first = data_loader.dataset[0]
+        x = first[0] if isinstance(first, (tuple, list)) else first.get("image")  # type: ignore[union-attr]
+        probe = self.probe_source.sample(1, seed=0, model=self._probe_module())
+        px = probe[0]
+        if isinstance(x, Tensor) and tuple(px.shape[1:]) != tuple(x.shape[-(px.dim() - 1) :]):
+            raise ValueError(
+                f"probe inputs have shape {list(px.shape[1:])} per sample but the training "
+                f"data has {list(x.shape)}; set the probe source's spatial_shape/channels to "
+                "match the (preprocessed) private inputs"
+            )
+
+    def refresh_preconditioner(self) -> KroneckerPreconditioner:
+        """Rebuild the preconditioner from fresh probes at the current parameters."""
+        assert self.module is not None and self.optimizer is not None
+        assert self.preconditioner_config is not None and self.probe_loss is not None
+        model = self._probe_module()
+        ref = next(model.parameters())
+        seed = self.probe_seed + len(self.refreshes)
+        t0 = time.perf_counter()
+        self.module.disable_hooks()
+        try:
+            # fork_rng: the probe pass (e.g. dropout) must not consume the training RNG.
+            with torch.random.fork_rng(devices=[]):
+                inputs, targets = self.probe_source.sample(
+                    self.preconditioner_config.num_probes,
+                    seed=seed,
+                    model=model,
+                    device=ref.device,
+                    dtype=ref.dtype,
+                )
+                pre = KroneckerPreconditioner.from_probes(
+                    model, inputs, targets, self.probe_loss, self.preconditioner_config
+                )
+        finally:
+            self.module.enable_hooks()
+        KroneckerPreconditioner.detach(model)
+        pre.attach(model)
+        self.optimizer.preconditioner = pre
+        self.refreshes.append(
+            {
+                "step": self.optimizer.steps_taken,
+                "probe_seed": seed,
+                "seconds": time.perf_counter() - t0,
+                "scale": pre.info.get("scale"),
+            }
+        )
+        return pre
+
+    def _maybe_refresh(self, optimizer: ScaleThenPrivatizeOptimizer) -> None:
+        if self.refresh_every > 0 and optimizer.steps_taken % self.refresh_every == 0:
+            self.refresh_preconditioner()
+
+    @property
+    def preconditioner(self) -> KroneckerPreconditioner | None:
+        """The preconditioner in use (``None`` for DP-SGD)."""
+        return self.optimizer.preconditioner if self.optimizer is not None else None
+
+    def provenance(self) -> dict[str, Any]:
+        """Preconditioner provenance for the privacy report."""
+        if self.method is not Method.DP_KFC:
+            return {"method": self.method.value, "preconditioner": None}
+        describe: Callable[[], dict[str, Any]] | None = getattr(self.probe_source, "describe", None)
+        pre = self.preconditioner
+        return {
+            "method": self.method.value,
+            "probe_source": describe() if describe else repr(self.probe_source),
+            "refresh_every": self.refresh_every,
+            "refreshes": self.refreshes,
+            "preconditioner": pre.summary() if pre else None,
+            "covered_layers": list(covered_layers(self._probe_module())),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Ledger, schedule and RNG states (for exact resume)."""
+        return {
+            "ledger": self.ledger.to_dict() if self.ledger else None,
+            "steps_taken": self.optimizer.steps_taken if self.optimizer else 0,
+            "refreshes": list(self.refreshes),
+            "noise_generator": self.noise_generator.get_state() if self.noise_generator else None,
+            "sample_generator": self.sample_generator.get_state()
+            if self.sample_generator
+            else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (call after :meth:`make_private`)."""
+        if state.get("ledger") is not None:
+            path = self.ledger.path if self.ledger else None
+            self.ledger = PrivacyLedger.from_dict(state["ledger"], path)
+            self.ledger.save()
+        if self.optimizer is not None:
+            self.optimizer.steps_taken = int(state["steps_taken"])
+        self.refreshes = list(state.get("refreshes", []))
+        if self.noise_generator is not None and state.get("noise_generator") is not None:
+            self.noise_generator.set_state(state["noise_generator"])
+        if self.sample_generator is not None and state.get("sample_generator") is not None:
+            self.sample_generator.set_state(state["sample_generator"])
+        if self.method is Method.DP_KFC and self.optimizer is not None:
+            # Rebuild at the restored (released) parameters with the next probe seed.
+            self.refresh_preconditioner()

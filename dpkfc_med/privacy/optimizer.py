@@ -1,0 +1,254 @@
+"""Scale-then-privatize optimizer: Opacus' ``DPOptimizer`` with one replaced stage.
+
+Opacus' pre-step is a fixed pipeline ``clip_and_accumulate -> add_noise -> scale_grad``. We
+override only ``clip_and_accumulate`` (and ``add_noise`` when the OS CSPRNG replaces
+``torchcsprng``):
+
+1. ``precondition_grad_samples``: parameters no adapter covers get their fallback transform
+   (covered layers already hold ``s U_G g_i U_A``, computed inside the per-sample hooks);
+2. per-unit summation: when unit ids are set (patients), per-sample gradients of one unit are
+   summed *before* clipping, so the clipped contribution of a unit is bounded by ``C``;
+3. flat L2 clipping of the concatenated transformed gradient of every unit to ``C`` and
+   summation; diagnostics are recorded on the way.
+
+Noise ``N(0, sigma^2 C^2 I)`` is then added to the sum and divided by the expected batch size
+(expected number of units) by the inherited stages; the base optimizer steps in the
+transformed coordinates.
+
+Privacy guarantee:
+    For any fixed preconditioner (built from probes and released parameters only), the
+    transformed, per-unit clipped sum has L2 sensitivity ``C`` under adding/removing one unit;
+    with Poisson sampling of units at rate ``q`` and noise multiplier ``sigma`` each step is the
+    subsampled Gaussian mechanism that the accountants in :mod:`.accounting` assume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from torch import Tensor
+
+from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner
+from dpkfc_med.privacy.grad_sample import RAW_NORM_SAMPLES
+from dpkfc_med.privacy.rng import secure_normal
+
+__all__ = ["BudgetExhaustedError", "ScaleThenPrivatizeOptimizer", "StepDiagnostics"]
+
+
+class BudgetExhaustedError(RuntimeError):
+    """Raised instead of taking a step the privacy plan does not cover."""
+
+
+@dataclass
+class StepDiagnostics:
+    """Cheap per-step diagnostics of the clipping stage.
+
+    These are computed from un-noised private per-sample norms: they are NOT differentially
+    private and are meant for monitoring by the data custodian, not for release.
+
+    Attributes:
+        batch_units: units (or samples) in the batch.
+        clipped_fraction: fraction of units whose transformed norm exceeded ``C``.
+        median_transformed_norm: median per-unit norm after preconditioning.
+        median_raw_norm: median per-sample norm before preconditioning (first
+            ``RAW_NORM_SAMPLES`` samples; per sample, not per unit).
+        layer_share: each layer's share of the transformed squared norm (batch total).
+    """
+
+    batch_units: int = 0
+    clipped_fraction: float = float("nan")
+    median_transformed_norm: float = float("nan")
+    median_raw_norm: float = float("nan")
+    layer_share: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (for logs)."""
+        return {
+            "batch_units": self.batch_units,
+            "clipped_fraction": self.clipped_fraction,
+            "median_transformed_norm": self.median_transformed_norm,
+            "median_raw_norm": self.median_raw_norm,
+            "layer_share": dict(self.layer_share),
+        }
+
+
+class ScaleThenPrivatizeOptimizer(DPOptimizer):
+    """DP optimizer that clips and noises per-unit gradients in preconditioned coordinates.
+
+    Args:
+        optimizer: the wrapped (base) optimizer.
+        noise_multiplier: ``sigma``.
+        max_grad_norm: clip norm ``C`` (in transformed coordinates).
+        expected_batch_size: expected number of units per batch (``q * N``).
+        loss_reduction: ``"mean"`` or ``"sum"`` (as in Opacus).
+        generator: torch generator for the noise (seeded research runs).
+        secure_mode: draw noise from the OS CSPRNG (see :mod:`.rng`).
+        preconditioner: the current preconditioner (``None`` for DP-SGD).
+        max_steps: refuse any step beyond this count (the privacy plan).
+        diagnostics: record :class:`StepDiagnostics` every step.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: int | None,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        preconditioner: KroneckerPreconditioner | None = None,
+        max_steps: int | None = None,
+        diagnostics: bool = True,
+    ) -> None:
+        # Opacus' own secure path needs torchcsprng; ours uses os.urandom (see add_noise).
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            generator=generator,
+            secure_mode=False,
+        )
+        self.os_secure = secure_mode
+        self.preconditioner = preconditioner
+        self.max_steps = max_steps
+        self.steps_taken = 0
+        self.unit_ids: Tensor | None = None
+        self.record_diagnostics = diagnostics
+        self.last_diagnostics = StepDiagnostics()
+        self.post_step_hooks: list[Callable[[ScaleThenPrivatizeOptimizer], None]] = []
+
+    # ------------------------------------------------------------------------ units
+    def set_unit_ids(self, unit_ids: Tensor | None) -> None:
+        """Unit (patient) index of every sample of the next batch, ``[N_samples]`` int64.
+
+        Samples with the same id are summed before clipping. ``None``: every sample is a unit.
+        """
+        self.unit_ids = None if unit_ids is None else unit_ids.long()
+
+    # ---------------------------------------------------------------------- stages
+    def precondition_grad_samples(self) -> None:
+        """Apply fallback transforms to parameters the hooks did not precondition."""
+        if self.preconditioner is None:
+            return
+        fallbacks = {id(fb.param): fb for fb in self.preconditioner.fallbacks.values()}
+        for p in self.params:
+            fb = fallbacks.get(id(p))
+            if fb is not None and p.grad_sample is not None:
+                gs = self._get_flat_grad_sample(p)
+                p._dpkfc_raw_sq = gs[:RAW_NORM_SAMPLES].pow(2).flatten(1).sum(1)  # type: ignore[attr-defined]
+                p.grad_sample = fb.transform(gs)
+
+    def _per_unit(self, grad: Tensor) -> Tensor:
+        if self.unit_ids is None:
+            return grad
+        ids = self.unit_ids.to(grad.device)
+        if len(ids) != len(grad):
+            raise ValueError(
+                f"unit ids cover {len(ids)} samples but the batch has {len(grad)}; call "
+                "optimizer.set_unit_ids(...) with one id per sample of the current batch"
+            )
+        n_units = int(ids.max()) + 1 if len(ids) else 0
+        out = grad.new_zeros((n_units, *grad.shape[1:]))
+        return out.index_add_(0, ids, grad)
+
+    def clip_and_accumulate(self) -> None:
+        """Precondition fallbacks, sum per unit, clip the flat norm to ``C``, accumulate."""
+        self.precondition_grad_samples()
+        grads = [self._per_unit(self._get_flat_grad_sample(p)) for p in self.params]
+        n = len(grads[0]) if grads else 0
+        if n == 0:
+            sq = torch.zeros(0, len(grads))
+            norms = torch.zeros(0)
+        else:
+            # Same arithmetic as Opacus (per-parameter norms, then their norm), so DP-SGD
+            # through this optimizer is bit-for-bit Opacus.
+            device = grads[0].device
+            per_param = torch.stack(
+                [g.reshape(n, -1).norm(2, dim=-1).to(device) for g in grads], dim=1
+            )
+            norms = per_param.norm(2, dim=1)
+            sq = per_param.pow(2)
+        clip = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        for p, g in zip(self.params, grads):
+            _check_processed_flag(p.grad_sample)
+            g = g.to(p.dtype)
+            summed = torch.einsum("i,i...", clip.to(device=g.device, dtype=p.dtype), g)
+            p.summed_grad = summed if p.summed_grad is None else p.summed_grad + summed
+            _mark_as_processed(p.grad_sample)
+        if self.record_diagnostics:
+            self.last_diagnostics = self._diagnostics(sq, norms)
+
+    def _diagnostics(self, sq: Tensor, norms: Tensor) -> StepDiagnostics:
+        n = len(norms)
+        if n == 0:
+            return StepDiagnostics(batch_units=0)
+        names = self.preconditioner.param_layer_names() if self.preconditioner else {}
+        share: dict[str, float] = {}
+        col = sq.sum(0)
+        total = float(col.sum()) or 1.0
+        raw_parts: list[Tensor] = []
+        done: set[int] = set()
+        for j, p in enumerate(self.params):
+            key = names.get(id(p), getattr(p, "_dpkfc_name", f"param{j}"))
+            share[key] = share.get(key, 0.0) + float(col[j]) / total
+            owner = getattr(p, "_dpkfc_owner", None)
+            owner_raw = getattr(owner, "_dpkfc_raw_sq", None)
+            if owner_raw is not None:  # covered layer: hooks kept raw norms, once per module
+                if id(owner) not in done:
+                    done.add(id(owner))
+                    raw_parts.append(owner_raw)
+            elif getattr(p, "_dpkfc_raw_sq", None) is not None:  # fallback parameter
+                raw_parts.append(p._dpkfc_raw_sq)  # type: ignore[attr-defined]
+            else:  # not preconditioned: raw == transformed
+                gs = self._get_flat_grad_sample(p)
+                raw_parts.append(gs[:RAW_NORM_SAMPLES].pow(2).flatten(1).sum(1))
+        m = min(len(r) for r in raw_parts) if raw_parts else 0
+        raw_sq = sum(r[:m].detach().double().cpu() for r in raw_parts) if m else None
+        return StepDiagnostics(
+            batch_units=n,
+            clipped_fraction=float((norms > self.max_grad_norm).double().mean()),
+            median_transformed_norm=float(norms.median()),
+            median_raw_norm=float(raw_sq.sqrt().median())
+            if isinstance(raw_sq, Tensor)
+            else float("nan"),
+            layer_share=share,
+        )
+
+    def add_noise(self) -> None:
+        """Gaussian noise ``N(0, sigma^2 C^2)``: Opacus' generator, or the OS CSPRNG."""
+        if not self.os_secure:
+            super().add_noise()
+            return
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = secure_normal(self.noise_multiplier * self.max_grad_norm, p.summed_grad)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+    def pre_step(self, closure: Callable[[], float] | None = None) -> bool | None:
+        """Refuse a step the privacy plan does not cover, then run Opacus' pipeline."""
+        if self.max_steps is not None and self.steps_taken >= self.max_steps:
+            raise BudgetExhaustedError(
+                f"the privacy plan covers {self.max_steps} noisy steps and all were taken; "
+                "raise the target epsilon or plan more steps before training"
+            )
+        return super().pre_step(closure)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One private step; post-step hooks (refresh) see the released parameters."""
+        out = super().step(closure)
+        if not self._is_last_step_skipped:
+            self.steps_taken += 1
+            for hook in self.post_step_hooks:
+                hook(self)
+        self.unit_ids = None
+        return out

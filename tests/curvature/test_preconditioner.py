@@ -1,0 +1,154 @@
+"""Preconditioner operator against explicit Kronecker products and its scale rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpkfc_med.curvature.adapters import adapter_for
+from dpkfc_med.curvature.preconditioner import (
+    KroneckerBlock,
+    KroneckerPreconditioner,
+    PreconditionerConfig,
+    inverse_sqrt,
+)
+from tests.conftest import per_sample_ce, tiny_cnn_2d
+
+
+def _spd(g: int, n: int) -> torch.Tensor:
+    m = torch.randn(g, n, n)
+    return m @ m.transpose(1, 2) / n + 0.01 * torch.eye(n)
+
+
+def test_inverse_sqrt_full_and_diagonal(float64):
+    torch.manual_seed(0)
+    f = _spd(2, 5)
+    u = inverse_sqrt(f, 0.1)
+    mean = torch.linalg.eigvalsh(f).mean(-1)
+    target = f + 0.1 * mean[:, None, None] * torch.eye(5)
+    torch.testing.assert_close(torch.linalg.inv(u @ u), target)
+    d = torch.rand(2, 5) + 0.1
+    ud = inverse_sqrt(d, 0.1)
+    torch.testing.assert_close(ud, (d + 0.1 * d.mean(-1, keepdim=True)).rsqrt())
+    # a factor the loss never reaches maps to the identity instead of inf
+    assert torch.equal(inverse_sqrt(torch.zeros(1, 3, 3), 0.1), torch.eye(3)[None])
+
+
+LAYERS = [
+    (lambda: nn.Linear(5, 3), (4, 2, 5)),
+    (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), (3, 4, 4, 4)),
+    (lambda: nn.Conv3d(2, 3, 2, bias=False), (2, 2, 3, 3, 3)),
+    (lambda: nn.ConvTranspose2d(2, 3, 2, stride=2), (3, 2, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("idx", range(len(LAYERS)))
+@pytest.mark.parametrize("path", ["factored", "materialized"])
+def test_transformed_grads_equal_explicit_kronecker(idx, path, float64):
+    torch.manual_seed(idx)
+    make, shape = LAYERS[idx]
+    module = make()
+    adapter = adapter_for(module)
+    g, n_a, n_g = adapter.dims(module)
+    block = KroneckerBlock(
+        "l", module, adapter, inverse_sqrt(_spd(g, n_a), 0.01), inverse_sqrt(_spd(g, n_g), 0.1), 0.7
+    )
+    x = torch.randn(*shape)
+    y = module(x)
+    dy = torch.randn_like(y)
+    a, d = adapter.activations(module, x), adapter.errors(module, dy)
+    got, _ = block.per_sample_grads(a, d, path=path)
+    raw = torch.einsum("btgo,btgi->bgoi", d, a)
+    for gi in range(g):
+        # vec(U_G X U_A) = (U_A^T kron U_G) vec(X) with column-major vec
+        kron = torch.kron(block.u_a[gi].T.contiguous(), block.u_g[gi].contiguous()) * 0.7
+        vec = raw[:, gi].transpose(1, 2).reshape(raw.shape[0], -1)
+        want = (vec @ kron.T).reshape(raw.shape[0], n_a, n_g).transpose(1, 2)
+        torch.testing.assert_close(got[:, gi], want)
+
+
+def test_path_choice_prefers_cheaper():
+    lin = nn.Linear(512, 32)
+    blk = KroneckerBlock("l", lin, adapter_for(lin), torch.eye(513)[None], torch.eye(32)[None])
+    assert blk.choose_path(256, 1) == "factored"
+    conv = nn.Conv2d(1, 16, 8)
+    blk = KroneckerBlock("c", conv, adapter_for(conv), torch.eye(65)[None], torch.eye(16)[None])
+    assert blk.choose_path(256, 196) == "materialized"
+
+
+def _probe_batch(n=64):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+@pytest.mark.parametrize("scaling", ["global", "per_layer", "none"])
+def test_scale_rules(scaling, float64):
+    torch.manual_seed(0)
+    net = tiny_cnn_2d()
+    x, y = _probe_batch()
+    cfg = PreconditionerConfig(scaling=scaling, calibration_samples=16, num_probes=64)
+    pre = KroneckerPreconditioner.from_probes(net, x, y, per_sample_ce, cfg)
+    # Recompute per-sample transformed norms on the calibration probes by brute force.
+    params = [p for p in net.parameters()]
+    raw, trans = [], []
+    per_layer = {}
+    for i in range(16):
+        grads = torch.autograd.grad(per_sample_ce(net(x[i : i + 1]), y[i : i + 1]).sum(), params)
+        gd = {p: g.unsqueeze(0) for p, g in zip(params, grads)}
+        tg = pre.transform_param_grads(gd)
+        raw.append(sum(g.pow(2).sum() for g in grads).sqrt())
+        trans.append(sum(t.pow(2).sum() for t in tg.values()).sqrt())
+        names = pre.param_layer_names()
+        for p in params:
+            per_layer.setdefault(names[id(p)], [0.0] * 16)[i] += float(tg[p].pow(2).sum())
+    raw, trans = torch.stack(raw), torch.stack(trans)
+    if scaling == "global":
+        torch.testing.assert_close(trans.median(), raw.median())
+    elif scaling == "per_layer":
+        target = raw.median() / len(per_layer) ** 0.5
+        for name, sq in per_layer.items():
+            torch.testing.assert_close(torch.tensor(sq).sqrt().median(), target, msg=name)
+    else:
+        assert all(b.scale == 1.0 for b in pre.blocks.values())
+    assert {r["layer"] for r in pre.coverage()} == {"0", "2", "6", "3.weight", "3.bias"}
+
+
+def test_a_only_mode_has_no_g(float64):
+    net = tiny_cnn_2d()
+    x, y = _probe_batch()
+    pre = KroneckerPreconditioner.from_probes(
+        net, x, y, per_sample_ce, PreconditionerConfig(factors="a")
+    )
+    assert all(b.u_g is None and b.u_a is not None for b in pre.blocks.values())
+
+
+def test_diagonal_fallback_from_probe_moments(float64):
+    net = tiny_cnn_2d()
+    x, y = _probe_batch()
+    cfg = PreconditionerConfig(fallback="diagonal", scaling="none", calibration_samples=8)
+    pre = KroneckerPreconditioner.from_probes(net, x, y, per_sample_ce, cfg)
+    fb = pre.fallbacks["3.weight"]
+    grads = torch.stack(
+        [
+            torch.autograd.grad(per_sample_ce(net(x[i : i + 1]), y[i : i + 1]).sum(), fb.param)[0]
+            for i in range(8)
+        ]
+    )
+    second = grads.pow(2).mean(0)
+    torch.testing.assert_close(fb.diag, (second + 1e-3 * second.mean()).rsqrt())
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"preconditioner.factors='agg'.*did you mean 'ag'"):
+        PreconditionerConfig(factors="agg")
+    with pytest.raises(ValueError, match=r"preconditioner.damping_g=-1"):
+        PreconditionerConfig(damping_g=-1)
+
+
+def test_non_finite_probes_rejected():
+    net = tiny_cnn_2d()
+    x, y = _probe_batch(8)
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        KroneckerPreconditioner.from_probes(net, x, y, per_sample_ce)
