@@ -1,1 +1,57 @@
-"""Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; data-root resolution."""
+"""Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; data-root resolution."""  # noqa: E501
+
+from dpkfc_med.data.dicom import list_dicom_series, read_dicom_series
+from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
+from dpkfc_med.data.medmnist import (
+    MedMNISTDataset,
+    Task,
+    TensorImageDataset,
+    load_medmnist,
+    medmnist_info,
+)
+from dpkfc_med.data.nifti import (
+    CropMode,
+    IntensityNorm,
+    SegmentationCase,
+    SegmentationCases,
+    VolumeDataset,
+    deterministic_split,
+    load_segmentation_folder,
+    load_split,
+    save_split,
+    segmentation_transforms,
+)
+from dpkfc_med.data.paths import (
+    DATA_ENV_VAR,
+    data_roots,
+    default_data_root,
+    resolve_data_path,
+    sha256_file,
+)
+
+__all__ = [
+    "DATA_ENV_VAR",
+    "CropMode",
+    "DataNotFoundError",
+    "DataValidationError",
+    "IntensityNorm",
+    "MedMNISTDataset",
+    "SegmentationCase",
+    "SegmentationCases",
+    "Task",
+    "TensorImageDataset",
+    "VolumeDataset",
+    "data_roots",
+    "default_data_root",
+    "deterministic_split",
+    "list_dicom_series",
+    "load_medmnist",
+    "load_segmentation_folder",
+    "load_split",
+    "medmnist_info",
+    "read_dicom_series",
+    "resolve_data_path",
+    "save_split",
+    "segmentation_transforms",
+    "sha256_file",
+]

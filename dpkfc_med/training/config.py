@@ -1,0 +1,383 @@
+"""Typed, validated run configuration (YAML).
+
+Every field has a default except ``data.path``; unknown keys, wrong types and bad values are
+collected and reported together, each naming the dotted field and the fix::
+
+    config error in configs/x.yaml:
+      training.optimiser: unknown field (did you mean 'optimizer'?)
+      privacy.target_epsilon=-1: must be a positive number
+
+``--set a.b=value`` overrides are parsed as YAML scalars and validated the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.utils import did_you_mean
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "Method",
+    "ModelConfig",
+    "OutputConfig",
+    "PrivacyConfig",
+    "ProbeConfig",
+    "RunConfig",
+    "TrainingConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """One or more problems in a run configuration."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        super().__init__(f"config error in {source}:\n  " + "\n  ".join(problems))
+
+
+class Method(str, Enum):
+    """Training methods of the pipeline."""
+
+    NONPRIVATE = "nonprivate"
+    DP_SGD = "dp-sgd"
+    DP_KFC = "dp-kfc"
+    DP_KFC_WHITE = "dp-kfc-white"
+    DP_KFC_PUBLIC = "dp-kfc-public"
+
+    @property
+    def private(self) -> bool:
+        """Whether the method gives a DP guarantee."""
+        return self is not Method.NONPRIVATE
+
+    @property
+    def preconditioned(self) -> bool:
+        """Whether the method uses a Kronecker preconditioner."""
+        return self in (Method.DP_KFC, Method.DP_KFC_WHITE, Method.DP_KFC_PUBLIC)
+
+
+@dataclass
+class DataConfig:
+    """Where the private data is and how to read it.
+
+    Attributes:
+        path: a MedMNIST-format ``.npz``, a bare MedMNIST flag (``pneumoniamnist``), or a
+            NIfTI folder (``imagesTr``/``labelsTr`` or ``dataset.json``) for segmentation.
+        task: ``classification`` or ``segmentation``.
+        spatial_dims: force 2 or 3 (default: inferred from the file).
+        max_train: use only this many training units (quick runs); ``null`` = all.
+        max_eval: cap on validation/test items (quick runs).
+        download: allow downloading a MedMNIST flag (needs internet).
+        split_fractions: train/val/test fractions for folders without a split (segmentation).
+        patch_size: training patch size for segmentation (``null``: whole padded volume).
+        patches_per_unit: patches drawn per volume per step (segmentation).
+        spacing: voxel spacing override in mm (default: from the data header, else 1).
+    """
+
+    path: str = ""
+    task: str = "classification"
+    spatial_dims: int | None = None
+    max_train: int | None = None
+    max_eval: int | None = None
+    download: bool = False
+    split_fractions: list[float] = field(default_factory=lambda: [0.7, 0.15, 0.15])
+    patch_size: list[int] | None = None
+    patches_per_unit: int = 1
+    spacing: list[float] | None = None
+
+
+@dataclass
+class ModelConfig:
+    """Network choice (see ``dpkfc_med.models``) and constructor overrides."""
+
+    name: str = "small_cnn"
+    norm: str = "group"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PrivacyConfig:
+    """Privacy budget and mechanism settings.
+
+    Attributes:
+        target_epsilon: epsilon the whole run may spend (at ``delta``).
+        delta: ``null`` = ``min(1e-5, 1 / N_units)``; larger values than ``1 / N`` are refused.
+        max_grad_norm: clip norm ``C``.
+        noise_multiplier: ``null`` = calibrated to the target; a number is checked against it.
+        accountant: ``prv`` (primary) or ``rdp``.
+        secure_rng: OS CSPRNG for sampling and noise (production; no seed).
+    """
+
+    target_epsilon: float = 1.0
+    delta: float | None = None
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    accountant: str = "prv"
+    secure_rng: bool = False
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation settings."""
+
+    epochs: int = 5
+    batch_size: int = 256
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_batch_size: int = 256
+    device: str = "cpu"
+    threads: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class ProbeConfig:
+    """Synthetic probes (dp-kfc) or the public proxy (dp-kfc-public)."""
+
+    preset: str = "natural"
+    alpha: float | None = None
+    num_probes: int = 256
+    refresh_every: int = 20
+    target: str = "uniform"
+    seed: int = 0
+    public_data: str | None = None
+
+
+@dataclass
+class OutputConfig:
+    """Run directory (``{name}`` is replaced by the run name)."""
+
+    dir: str = "runs/{name}"
+
+
+@dataclass
+class RunConfig:
+    """A complete run description."""
+
+    name: str = "run"
+    method: str = "dp-kfc"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    preconditioner: dict[str, Any] = field(default_factory=dict)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def method_enum(self) -> Method:
+        """The method as an enum."""
+        return Method(self.method)
+
+    def preconditioner_config(self) -> PreconditionerConfig:
+        """The validated preconditioner settings (probe count taken from ``probes``)."""
+        kw = dict(self.preconditioner)
+        kw.setdefault("num_probes", self.probes.num_probes)
+        return PreconditionerConfig(**kw)
+
+    def run_dir(self) -> Path:
+        """The output directory."""
+        return Path(self.output.dir.replace("{name}", self.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def sha256(self) -> str:
+        """Hash of the canonical JSON form (recorded in the privacy report)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+_CHOICES: dict[str, list[str]] = {
+    "method": [m.value for m in Method],
+    "data.task": ["classification", "segmentation"],
+    "training.optimizer": ["sgd", "adam"],
+    "training.device": ["cpu", "cuda", "auto"],
+    "privacy.accountant": ["prv", "rdp"],
+    "probes.target": ["uniform", "model"],
+    "model.norm": ["group", "instance"],
+}
+_POSITIVE = {
+    "privacy.target_epsilon",
+    "privacy.max_grad_norm",
+    "training.epochs",
+    "training.batch_size",
+    "training.lr",
+    "training.eval_batch_size",
+    "probes.num_probes",
+    "data.patches_per_unit",
+}
+
+
+def _coerce(path: str, value: Any, hint: Any, problems: list[str]) -> Any:
+    origin = get_origin(hint)
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if value is None:
+        if type(None) in get_args(hint):
+            return None
+        problems.append(f"{path}: must not be null")
+        return value
+    if origin is list or hint is list:
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{path}={value!r}: must be a list")
+            return value
+        inner = get_args(hint)[0] if get_args(hint) else Any
+        return [_coerce(f"{path}[{i}]", v, inner, problems) for i, v in enumerate(value)]
+    if origin is not None and args:  # Optional[X] / X | None
+        if len(args) == 1:
+            return _coerce(path, value, args[0], problems)
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{path}={value!r}: must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            problems.append(f"{path}={value!r}: must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{path}={value!r}: must be a number")
+            return value
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            problems.append(f"{path}={value!r}: must be a string")
+        return value
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{path}={value!r}: must be a mapping")
+        return value
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or '<root>'}: must be a mapping, got {type(data).__name__}")
+        return cls()
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            problems.append(f"{path}: unknown field{did_you_mean(str(key), names)}; allowed: {names}")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, path, problems)
+        else:
+            kwargs[key] = _coerce(path, value, hint, problems)
+    return cls(**kwargs)
+
+
+def _check_values(cfg: RunConfig, problems: list[str]) -> None:
+    flat = _flatten(cfg.to_dict())
+    for path, allowed in _CHOICES.items():
+        v = flat.get(path)
+        if isinstance(v, str) and v not in allowed:
+            problems.append(f"{path}={v!r}: not allowed{did_you_mean(v, allowed)}; choose one of {allowed}")
+    for path in _POSITIVE:
+        v = flat.get(path)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (v > 0 and math.isfinite(v)):
+            problems.append(f"{path}={v!r}: must be a positive number")
+    if not cfg.data.path:
+        problems.append("data.path: required (a MedMNIST .npz, a MedMNIST flag, or a NIfTI folder)")
+    d = cfg.privacy.delta
+    if d is not None and not (isinstance(d, float) and 0 < d < 1):
+        problems.append(f"privacy.delta={d!r}: must be in (0, 1), e.g. 1e-5")
+    nm = cfg.privacy.noise_multiplier
+    if nm is not None and isinstance(nm, float) and not nm > 0:
+        problems.append(f"privacy.noise_multiplier={nm!r}: must be > 0 (or null to calibrate)")
+    if cfg.method == Method.DP_KFC_PUBLIC.value and not cfg.probes.public_data:
+        problems.append("probes.public_data: required for method dp-kfc-public (path to a public .npz)")
+    if cfg.privacy.secure_rng and cfg.method != Method.NONPRIVATE.value:
+        pass  # the seed then only drives model init and probes, never the mechanism
+    try:
+        cfg.preconditioner_config()
+    except (TypeError, ValueError) as err:
+        names = [f.name for f in dataclasses.fields(PreconditionerConfig)]
+        for key in cfg.preconditioner:
+            if key not in names:
+                problems.append(f"preconditioner.{key}: unknown field{did_you_mean(key, names)}; allowed: {names}")
+        if isinstance(err, ValueError):
+            problems.extend(str(err).splitlines()[1:] or [str(err)])
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        path = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and k not in ("kwargs", "preconditioner"):
+            out.update(_flatten(v, path))
+        else:
+            out[path] = v
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict."""
+    problems = []
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. training.lr=0.1")
+            continue
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"--set {key}: {part} is not a section")
+                break
+        else:
+            node[parts[-1]] = yaml.safe_load(raw)
+    if problems:
+        raise ConfigError(problems, "command line")
+    return data
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a nested dict into a :class:`RunConfig` (all problems reported at once)."""
+    problems: list[str] = []
+    cfg = _build(RunConfig, data, "", problems)
+    if not problems:
+        _check_values(cfg, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run config, apply ``--set`` overrides and validate it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"{p}: no such file; pass the path of a YAML config (see configs/)"], str(p))
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([f"not valid YAML: {err}"], str(p)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(["the file must hold a mapping of sections (data, model, ...)"], str(p))
+    data.setdefault("name", p.stem)
+    apply_overrides(data, overrides or [])
+    return config_from_dict(data, str(p))
