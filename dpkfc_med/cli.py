@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -33,8 +32,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "ledger and privacy_report.{json,md,html} into the run directory.",
     )
     t.add_argument("config", help="YAML run configuration")
-    t.add_argument("--data", help="private data: MedMNIST .npz / flag, or NIfTI folder (overrides data.path)")
-    t.add_argument("--epsilon", type=float, help="target epsilon (overrides privacy.target_epsilon)")
+    t.add_argument(
+        "--data", help="private data: MedMNIST .npz / flag, or NIfTI folder (overrides data.path)"
+    )
+    t.add_argument(
+        "--epsilon", type=float, help="target epsilon (overrides privacy.target_epsilon)"
+    )
     t.add_argument("--method", help="nonprivate | dp-sgd | dp-kfc | dp-kfc-white | dp-kfc-public")
     t.add_argument("--out", help="run directory (overrides output.dir)")
     t.add_argument("--device", help="cpu | cuda | auto")
@@ -128,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
-        print("interrupted: the run is marked incomplete; continue it with --resume", file=sys.stderr)
+        print(
+            "interrupted: the run is marked incomplete; continue it with --resume", file=sys.stderr
+        )
         return 130
     except (ValueError, FileNotFoundError, KeyError) as err:
         # User errors (config, data, plan) carry their own explanation and fix.

@@ -15,6 +15,7 @@ patients). Sampling must be Poisson with the recorded rate; the engine guarantee
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -81,14 +82,19 @@ def epsilon_for(
 ) -> float:
     """Epsilon at ``delta`` spent by ``events`` (0 when nothing was spent)."""
     kind = check_choice("accountant", accountant, Accountant)
-    events = [e for e in events if e.steps > 0]
+    return _epsilon_cached(tuple(e for e in events if e.steps > 0), float(delta), kind)
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon_cached(events: tuple[GaussianSteps, ...], delta: float, kind: Accountant) -> float:
+    # Accountants take ~0.1-3 s per call; runs ask for the same history repeatedly.
     if not events:
         return 0.0
     if any(e.noise_multiplier <= 0 for e in events):
         return math.inf
     if kind is Accountant.PLD:
-        return _pld_epsilon(events, delta)
-    return _opacus_epsilon(events, delta, kind)
+        return _pld_epsilon(list(events), delta)
+    return _opacus_epsilon(list(events), delta, kind)
 
 
 def calibrate_noise_multiplier(

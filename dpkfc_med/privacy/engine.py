@@ -357,7 +357,8 @@ class PrivacyEngine:
         return pre
 
     def _maybe_refresh(self, optimizer: ScaleThenPrivatizeOptimizer) -> None:
-        if self.refresh_every > 0 and optimizer.steps_taken % self.refresh_every == 0:
+        done = optimizer.max_steps is not None and optimizer.steps_taken >= optimizer.max_steps
+        if self.refresh_every > 0 and optimizer.steps_taken % self.refresh_every == 0 and not done:
             self.refresh_preconditioner()
 
     @property

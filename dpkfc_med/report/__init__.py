@@ -1,1 +1,34 @@
 """Audit-ready privacy report: versioned JSON schema, Markdown/HTML rendering and plots."""
+
+from dpkfc_med.report.environment import collect_environment, sha256_of_files
+from dpkfc_med.report.numbers import format_delta, format_epsilon
+from dpkfc_med.report.plots import PLOT_FILES, render_plots
+from dpkfc_med.report.render import render_html, render_markdown
+from dpkfc_med.report.schema import (
+    REPORT_SCHEMA,
+    ReportSchemaError,
+    check_report,
+    to_json_data,
+    validate_report,
+)
+from dpkfc_med.report.writer import REPORT_FILES, load_report, rerender, write_report
+
+__all__ = [
+    "PLOT_FILES",
+    "REPORT_FILES",
+    "REPORT_SCHEMA",
+    "ReportSchemaError",
+    "check_report",
+    "collect_environment",
+    "format_delta",
+    "format_epsilon",
+    "load_report",
+    "render_html",
+    "render_markdown",
+    "render_plots",
+    "rerender",
+    "sha256_of_files",
+    "to_json_data",
+    "validate_report",
+    "write_report",
+]

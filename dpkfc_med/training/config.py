@@ -280,7 +280,9 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            problems.append(f"{path}: unknown field{did_you_mean(str(key), names)}; allowed: {names}")
+            problems.append(
+                f"{path}: unknown field{did_you_mean(str(key), names)}; allowed: {names}"
+            )
             continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -295,10 +297,16 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
     for path, allowed in _CHOICES.items():
         v = flat.get(path)
         if isinstance(v, str) and v not in allowed:
-            problems.append(f"{path}={v!r}: not allowed{did_you_mean(v, allowed)}; choose one of {allowed}")
+            problems.append(
+                f"{path}={v!r}: not allowed{did_you_mean(v, allowed)}; choose one of {allowed}"
+            )
     for path in _POSITIVE:
         v = flat.get(path)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (v > 0 and math.isfinite(v)):
+        if (
+            isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and not (v > 0 and math.isfinite(v))
+        ):
             problems.append(f"{path}={v!r}: must be a positive number")
     if not cfg.data.path:
         problems.append("data.path: required (a MedMNIST .npz, a MedMNIST flag, or a NIfTI folder)")
@@ -309,16 +317,19 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
     if nm is not None and isinstance(nm, float) and not nm > 0:
         problems.append(f"privacy.noise_multiplier={nm!r}: must be > 0 (or null to calibrate)")
     if cfg.method == Method.DP_KFC_PUBLIC.value and not cfg.probes.public_data:
-        problems.append("probes.public_data: required for method dp-kfc-public (path to a public .npz)")
-    if cfg.privacy.secure_rng and cfg.method != Method.NONPRIVATE.value:
-        pass  # the seed then only drives model init and probes, never the mechanism
+        problems.append(
+            "probes.public_data: required for method dp-kfc-public (path to a public .npz)"
+        )
     try:
         cfg.preconditioner_config()
     except (TypeError, ValueError) as err:
         names = [f.name for f in dataclasses.fields(PreconditionerConfig)]
         for key in cfg.preconditioner:
             if key not in names:
-                problems.append(f"preconditioner.{key}: unknown field{did_you_mean(key, names)}; allowed: {names}")
+                problems.append(
+                    f"preconditioner.{key}: unknown field{did_you_mean(key, names)}; "
+                    f"allowed: {names}"
+                )
         if isinstance(err, ValueError):
             problems.extend(str(err).splitlines()[1:] or [str(err)])
 
@@ -371,7 +382,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     """Read a YAML run config, apply ``--set`` overrides and validate it."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([f"{p}: no such file; pass the path of a YAML config (see configs/)"], str(p))
+        raise ConfigError(
+            [f"{p}: no such file; pass the path of a YAML config (see configs/)"], str(p)
+        )
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as err:

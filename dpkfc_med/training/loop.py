@@ -35,7 +35,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dpkfc_med.models import build_model, make_private_compatible, validate_private_compatible
-from dpkfc_med.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, epsilon_for, GaussianSteps
+from dpkfc_med.privacy.accounting import (
+    GaussianSteps,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    epsilon_for,
+)
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.privacy.optimizer import BudgetExhaustedError
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
@@ -151,7 +156,11 @@ def plan_privacy(cfg: RunConfig, num_units: int, steps_per_epoch: int) -> dict[s
     else:
         try:
             sigma = calibrate_noise_multiplier(
-                target_epsilon=p.target_epsilon, delta=delta, sample_rate=q, steps=steps, accountant=p.accountant
+                target_epsilon=p.target_epsilon,
+                delta=delta,
+                sample_rate=q,
+                steps=steps,
+                accountant=p.accountant,
             )
         except Exception as err:  # Opacus raises a bare ValueError when no sigma fits
             raise PlanError(
@@ -164,7 +173,12 @@ def plan_privacy(cfg: RunConfig, num_units: int, steps_per_epoch: int) -> dict[s
                 f"privacy.target_epsilon={p.target_epsilon} needs noise multiplier {sigma:.3g}: "
                 "the updates would be pure noise; raise the target epsilon or use more data"
             )
-    return {"delta": delta, "sample_rate": q, "planned_steps": steps, "noise_multiplier": float(sigma)}
+    return {
+        "delta": delta,
+        "sample_rate": q,
+        "planned_steps": steps,
+        "noise_multiplier": float(sigma),
+    }
 
 
 def _build_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, Any]]]:
@@ -189,7 +203,9 @@ def _make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     t = cfg.training
     if t.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+    )
 
 
 class _Run:
@@ -206,6 +222,7 @@ class _Run:
             "val_metric_name": task.selection_metric,  # type: ignore[dict-item]
         }
         self.diag: list[dict[str, Any]] = []
+        self.eps_shown = 0.0
         self.epoch = 0
         self.best: dict[str, Any] = {"epoch": -1, "metric": -math.inf, "state": None}
 
@@ -248,23 +265,33 @@ def train(
     run_dir = cfg.run_dir()
     ckpt_path = run_dir / "checkpoint.pt"
     if resume and not ckpt_path.is_file():
-        raise ConfigError([f"--resume: no checkpoint at {ckpt_path}; start the run without --resume"])
+        raise ConfigError(
+            [f"--resume: no checkpoint at {ckpt_path}; start the run without --resume"]
+        )
     if not resume and (run_dir / "run.json").is_file():
         status = json.loads((run_dir / "run.json").read_text()).get("status")
         raise ConfigError(
-            [f"output.dir: {run_dir} already holds a run (status {status!r}); pass --resume to "
-             "continue it or choose another --out"]
+            [
+                f"output.dir: {run_dir} already holds a run (status {status!r}); pass --resume to "
+                "continue it or choose another --out"
+            ]
         )
     # ---------------------------------------------------------------- 2. start the run
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_json(run_dir / "run.json", {"status": "incomplete", "started": _now(), "name": cfg.name})
-    _atomic_write_bytes(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+    _atomic_write_bytes(
+        run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()
+    )
     _setup_logging(run_dir)
     state = _Run(cfg, task, run_dir, device)
     optimizer = _make_optimizer(cfg, model)
-    train_loader = DataLoader(task.train_set, batch_size=batch, shuffle=not method.private,
-                              generator=torch.Generator().manual_seed(cfg.training.seed),
-                              collate_fn=task.extra.get("collate"))
+    train_loader = DataLoader(
+        task.train_set,
+        batch_size=batch,
+        shuffle=not method.private,
+        generator=torch.Generator().manual_seed(cfg.training.seed),
+        collate_fn=task.extra.get("collate"),
+    )
     engine: PrivacyEngine | None = None
     pmodel: nn.Module = model
     popt: Any = optimizer
@@ -277,7 +304,9 @@ def train(
             secure_mode=cfg.privacy.secure_rng,
             seed=None if cfg.privacy.secure_rng else cfg.training.seed,
         )
-        previous: PrivacyLedger | None = PrivacyLedger.load(ledger_path) if resume and ledger_path.is_file() else None
+        previous: PrivacyLedger | None = (
+            PrivacyLedger.load(ledger_path) if resume and ledger_path.is_file() else None
+        )
         kw: dict[str, Any] = {}
         if method.preconditioned:
             kw = {
@@ -321,7 +350,11 @@ def train(
             state.history["val_metric"].append(value)
             log.info("epoch %d: val %s = %.4f", state.epoch, task.selection_metric, value)
             if not (value <= state.best["metric"]):  # nan-safe: first epoch always selected
-                state.best = {"epoch": state.epoch, "metric": value, "state": copy.deepcopy(model.state_dict())}
+                state.best = {
+                    "epoch": state.epoch,
+                    "metric": value,
+                    "state": copy.deepcopy(model.state_dict()),
+                }
             _checkpoint(state, ckpt_path, model, popt, engine)
             if stop_after_epochs is not None and epochs_this_session >= stop_after_epochs:
                 break
@@ -332,6 +365,7 @@ def train(
         ):
             status = "complete"
     except (KeyboardInterrupt, BudgetExhaustedError, Exception):
+        _fill_epsilon(state, engine)
         _finish(state, model, engine, plan, fixes, "incomplete", evaluate=False)
         raise
     return _finish(state, model, engine, plan, fixes, status, evaluate=status == "complete")
@@ -352,7 +386,9 @@ def _setup_logging(run_dir: Path) -> None:
     log.addHandler(fh)
 
 
-def _train_epoch(state: _Run, pmodel: nn.Module, popt: Any, loader: Any, engine: PrivacyEngine | None) -> None:
+def _train_epoch(
+    state: _Run, pmodel: nn.Module, popt: Any, loader: Any, engine: PrivacyEngine | None
+) -> None:
     from tqdm import tqdm
 
     cfg, task = state.cfg, state.task
@@ -388,22 +424,34 @@ def _train_epoch(state: _Run, pmodel: nn.Module, popt: Any, loader: Any, engine:
             loss_value = float(loss.detach())
         seen += len(x)
         step = popt.steps_taken if engine is not None else len(state.history["step"]) + 1
-        eps = engine.get_epsilon() if engine is not None and step % 10 == 0 else (
-            state.history["epsilon"][-1] if state.history["epsilon"] else 0.0
-        )
         state.history["step"].append(step)
-        state.history["epsilon"].append(eps)
         state.history["loss"].append(loss_value)
         if engine is not None and popt.last_diagnostics.batch_units:
             state.diag.append(popt.last_diagnostics.as_dict())
         rate = seen / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix(loss=f"{loss_value:.3f}", eps=f"{eps:.2f}", img_s=f"{rate:.0f}")
-    if engine is not None and state.history["epsilon"]:
-        state.history["epsilon"][-1] = engine.get_epsilon()
+        bar.set_postfix(loss=f"{loss_value:.3f}", eps=f"{state.eps_shown:.2f}", img_s=f"{rate:.0f}")
+    _fill_epsilon(state, engine)
     log.info("epoch %d done: %d samples, %.1f s", state.epoch + 1, seen, time.perf_counter() - t0)
 
 
-def _checkpoint(state: _Run, path: Path, model: nn.Module, popt: Any, engine: PrivacyEngine | None) -> None:
+def _fill_epsilon(state: _Run, engine: PrivacyEngine | None) -> None:
+    """Epsilon history for the steps of the epoch just run.
+
+    Accountants cost up to seconds per call, so epsilon is computed once per epoch, and each
+    step of the epoch is given the value at the epoch's end: an upper bound on what had been
+    spent after that step (epsilon grows with the steps), never an under-statement.
+    """
+    if engine is None:
+        return
+    eps = engine.get_epsilon()
+    missing = len(state.history["step"]) - len(state.history["epsilon"])
+    state.history["epsilon"].extend([eps] * missing)
+    state.eps_shown = eps
+
+
+def _checkpoint(
+    state: _Run, path: Path, model: nn.Module, popt: Any, engine: PrivacyEngine | None
+) -> None:
     opt = popt.original_optimizer if hasattr(popt, "original_optimizer") else popt
     _atomic_torch_save(
         {
@@ -506,9 +554,7 @@ def _diag_summary(diag: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not diag:
         return None
     keys = ("clipped_fraction", "median_transformed_norm", "median_raw_norm")
-    out: dict[str, Any] = {
-        f"mean_{k}": float(np.nanmean([d[k] for d in diag])) for k in keys
-    }
+    out: dict[str, Any] = {f"mean_{k}": float(np.nanmean([d[k] for d in diag])) for k in keys}
     layers: dict[str, list[float]] = {}
     for d in diag:
         for k, v in d["layer_share"].items():

@@ -12,7 +12,9 @@ __all__ = ["classification_metrics"]
 
 
 def classification_metrics(
-    probs: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray, label_names: list[str] | None = None
+    probs: torch.Tensor | np.ndarray,
+    labels: torch.Tensor | np.ndarray,
+    label_names: list[str] | None = None,
 ) -> dict[str, Any]:
     """Metrics of predicted class probabilities against integer labels.
 
@@ -42,7 +44,11 @@ def classification_metrics(
         tn = cm.sum() - tp - fn - fp
         sens = tp / (tp + fn) if tp + fn else float("nan")
         spec = tn / (tn + fp) if tn + fp else float("nan")
-        per_class[names[c]] = {"sensitivity": float(sens), "specificity": float(spec), "support": int(tp + fn)}
+        per_class[names[c]] = {
+            "sensitivity": float(sens),
+            "specificity": float(spec),
+            "support": int(tp + fn),
+        }
         if tp + fn:
             recalls.append(sens)
     present = np.unique(y)

@@ -57,7 +57,9 @@ class Task:
         x, y = batch
         return x, y, None
 
-    def evaluate(self, model: nn.Module, split: str, device: torch.device, batch_size: int) -> dict[str, Any]:
+    def evaluate(
+        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+    ) -> dict[str, Any]:
         """Metrics on ``split``."""
         raise NotImplementedError
 
@@ -94,7 +96,13 @@ class PublicProbeSource:
     """
 
     def __init__(
-        self, path: str, *, spatial_shape: tuple[int, ...], channels: int, num_classes: int, task: str
+        self,
+        path: str,
+        *,
+        spatial_shape: tuple[int, ...],
+        channels: int,
+        num_classes: int,
+        task: str,
     ) -> None:
         self.path = resolve_data_path(path)
         data = load_medmnist(self.path)
@@ -103,14 +111,24 @@ class PublicProbeSource:
             images = images.mean(1, keepdim=True).expand(-1, channels, *images.shape[2:])
         if tuple(images.shape[2:]) != tuple(spatial_shape):
             mode = "bilinear" if len(spatial_shape) == 2 else "trilinear"
-            images = F.interpolate(images, size=tuple(spatial_shape), mode=mode, align_corners=False)
+            images = F.interpolate(
+                images, size=tuple(spatial_shape), mode=mode, align_corners=False
+            )
         self.images = images.contiguous()
         self.sha256 = data.sha256
         self.num_classes = num_classes
         if task != "classification":
             raise ConfigError(["method dp-kfc-public supports classification only"])
 
-    def sample(self, num: int, *, seed: int, model: nn.Module | None = None, device=None, dtype=torch.float32):
+    def sample(
+        self,
+        num: int,
+        *,
+        seed: int,
+        model: nn.Module | None = None,
+        device=None,
+        dtype=torch.float32,
+    ):
         """``num`` public images (with replacement) and uniform random classes."""
         g = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, len(self.images), (num,), generator=g)
@@ -140,7 +158,9 @@ class ClassificationTask(Task):
         return F.cross_entropy(outputs, targets, reduction="none")
 
     @torch.no_grad()
-    def predict(self, model: nn.Module, data: Dataset, device: torch.device, batch_size: int) -> tuple[Tensor, Tensor]:
+    def predict(
+        self, model: nn.Module, data: Dataset, device: torch.device, batch_size: int
+    ) -> tuple[Tensor, Tensor]:
         """Class probabilities and labels of a dataset."""
         was = model.training
         model.eval()
@@ -151,7 +171,9 @@ class ClassificationTask(Task):
         model.train(was)
         return torch.cat(probs), torch.cat(labels)
 
-    def evaluate(self, model: nn.Module, split: str, device: torch.device, batch_size: int) -> dict[str, Any]:
+    def evaluate(
+        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+    ) -> dict[str, Any]:
         """Accuracy, balanced accuracy, AUROC, per-class sensitivity/specificity, confusion."""
         data = self.extra["splits"][split]
         probs, labels = self.predict(model, data, device, batch_size)
@@ -210,6 +232,9 @@ TASK_BUILDERS: dict[str, Callable[[RunConfig, str | None], Task]] = {
 
 def build_task(cfg: RunConfig, data_path: str | Path | None = None) -> Task:
     """Load and validate the private data of ``cfg`` into a task."""
+    if cfg.data.task == "segmentation" and "segmentation" not in TASK_BUILDERS:
+        # Imported lazily: MONAI transforms and readers are only needed for segmentation.
+        from dpkfc_med.training import segmentation  # noqa: F401  (registers the builder)
     builder = TASK_BUILDERS.get(cfg.data.task)
     if builder is None:
         raise ConfigError([f"data.task={cfg.data.task!r}: no pipeline registered"])

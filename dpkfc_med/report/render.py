@@ -1,0 +1,766 @@
+"""Human-readable views of a privacy report: Markdown and self-contained HTML.
+
+Both views are rendered from one document model (:func:`build_document`: headings, paragraphs,
+banners, tables, images, code), so the Markdown and the HTML always say the same thing. The
+text is written for a data-protection officer: the summary states the guarantee in one
+sentence, and every figure is traceable to the JSON report next to it.
+
+Epsilon is always printed rounded *up* to three decimals (:func:`format_epsilon`): a printed
+figure must never understate the privacy spent.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dpkfc_med.report.numbers import format_delta, format_epsilon
+from dpkfc_med.report.plots import PLOT_FILES
+
+__all__ = [
+    "DIAGNOSTICS_NOTE",
+    "INCOMPLETE_NOTE",
+    "NONPRIVATE_NOTE",
+    "build_document",
+    "render_html",
+    "render_markdown",
+]
+
+INCOMPLETE_NOTE = (
+    "the figures below cover the steps taken before the interruption; the privacy spent is as "
+    "stated"
+)
+FAILED_NOTE = (
+    "the run ended with an error; the figures below cover the steps taken before it; the "
+    "privacy spent is as stated"
+)
+NONPRIVATE_NOTE = (
+    "this model was trained without differential privacy (no clipping, no noise); it may "
+    "reveal information about individual training {unit}s and must be handled as the private "
+    "data itself"
+)
+DIAGNOSTICS_NOTE = (
+    "computed from un-noised private statistics; not covered by the privacy guarantee; for the "
+    "data custodian only"
+)
+
+_METHODS = {
+    "nonprivate": "non-private training (no clipping, no noise)",
+    "dp-sgd": "DP-SGD: per-{unit} gradients clipped to norm C, Gaussian noise added to their sum",
+    "dp-kfc": (
+        "DP-KFC: per-{unit} gradients preconditioned by a KFAC curvature estimate built from "
+        "synthetic noise probes, then clipped to norm C and noised as in DP-SGD"
+    ),
+    "dp-kfc-white": (
+        "DP-KFC with white-noise probes: per-{unit} gradients preconditioned by a KFAC "
+        "curvature estimate built from white-noise probes, then clipped and noised as in DP-SGD"
+    ),
+    "dp-kfc-public": (
+        "DP-KFC with public data: per-{unit} gradients preconditioned by a KFAC curvature "
+        "estimate built from external public data, then clipped and noised as in DP-SGD"
+    ),
+}
+_ACCOUNTANTS = {
+    "prv": "PRV (Opacus; Gopi et al. 2021)",
+    "rdp": "RDP (Opacus; Mironov 2017)",
+    "pld": "PLD (Google dp_accounting; independent implementation)",
+}
+_MAX_ROWS = 20  # long tables (refreshes, ledger events) show their first and last rows
+
+
+def _fmt(value: Any) -> str:
+    """Display form of a plain JSON value."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(", ", ": "))
+
+
+def _count(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _fmt(value)
+
+
+# --------------------------------------------------------------------------- document model
+@dataclass(frozen=True)
+class Span:
+    """Inline text with a style: ``"code"`` (hashes, paths), ``"strong"`` or ``"em"``."""
+
+    text: str
+    style: Literal["code", "strong", "em"] = "code"
+
+
+Inline = str | Span | tuple[str | Span, ...]
+"""Inline content: plain text, one styled span, or a run of them (a tuple)."""
+
+
+@dataclass(frozen=True)
+class Heading:
+    """A section heading (level 1 is the title)."""
+
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    """A paragraph of inline text."""
+
+    content: Inline
+
+
+@dataclass(frozen=True)
+class Banner:
+    """A boxed statement that must not be missed (``kind`` sets its colour in HTML)."""
+
+    title: str
+    text: str
+    kind: Literal["danger", "warning", "note"] = "warning"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table; ``header`` may be empty for a plain key-value box."""
+
+    header: Sequence[Inline]
+    rows: Sequence[Sequence[Inline]]
+
+
+@dataclass(frozen=True)
+class Image:
+    """A report figure, by its key in :data:`~dpkfc_med.report.plots.PLOT_FILES`."""
+
+    key: str
+    caption: str
+
+
+@dataclass(frozen=True)
+class Code:
+    """A pre-formatted block (the run configuration)."""
+
+    text: str
+    language: str = ""
+
+
+Block = Heading | Paragraph | Banner | Table | Image | Code
+
+
+def _kv(rows: Sequence[tuple[Inline, Any]]) -> Table:
+    return Table(
+        ("Item", "Value"), [(k, v if isinstance(v, (Span, tuple)) else _fmt(v)) for k, v in rows]
+    )
+
+
+def _mapping_table(mapping: Mapping[str, Any], key_name: str = "Item") -> Table:
+    return Table((key_name, "Value"), [(str(k), _fmt(v)) for k, v in mapping.items()])
+
+
+def _records_table(records: Sequence[Mapping[str, Any]], columns: Sequence[str] = ()) -> Table:
+    """Rows of dicts as a table; the columns are ``columns`` then any other keys, in order."""
+    cols = list(columns)
+    for record in records:
+        cols += [k for k in record if k not in cols]
+    rows: list[list[Inline]] = [[_fmt(r.get(c)) for c in cols] for r in records]
+    if len(rows) > _MAX_ROWS:
+        half = _MAX_ROWS // 2
+        gap = Span(f"... {len(rows) - 2 * half} more rows in the JSON report", "em")
+        rows = [*rows[:half], [gap, *[""] * (len(cols) - 1)], *rows[-half:]]
+    return Table(cols, rows)
+
+
+def _is_records(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
+def _nested_blocks(values: Mapping[str, Any], label_names: Sequence[str] | None) -> list[Block]:
+    """Scalars in one table, then one titled table per nested dict / matrix / record list."""
+    blocks: list[Block] = []
+    scalars = {k: v for k, v in values.items() if not isinstance(v, (Mapping, list))}
+    if scalars:
+        blocks.append(_mapping_table(scalars, "Name"))
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            blocks.append(Paragraph(Span(key.replace("_", " "), "strong")))
+            if value and all(isinstance(v, Mapping) for v in value.values()):
+                # "per_class" -> a "class" column; other nested tables get a "name" column.
+                first = key[4:] if key.startswith("per_") else "name"
+                records = [{first: k, **v} for k, v in value.items()]
+                blocks.append(_records_table(records))
+            else:
+                blocks.append(_mapping_table(value, "Name"))
+        elif key == "confusion_matrix" and isinstance(value, list):
+            blocks.append(
+                Paragraph(Span("confusion matrix (rows: true class, columns: predicted)", "strong"))
+            )
+            names = list(label_names or [])
+            if len(names) != len(value):
+                names = [str(i) for i in range(len(value))]
+            rows: list[list[Inline]] = [
+                [Span(n, "strong"), *[_fmt(x) for x in row]] for n, row in zip(names, value)
+            ]
+            blocks.append(Table(["true \\ predicted", *names], rows))
+        elif _is_records(value):
+            blocks.append(Paragraph(Span(key.replace("_", " "), "strong")))
+            blocks.append(_records_table(value))
+        elif isinstance(value, list):
+            names = list(label_names or [])
+            if names and len(names) == len(value):
+                blocks.append(Paragraph(Span(key.replace("_", " "), "strong")))
+                blocks.append(
+                    Table(("Class", "Value"), [(n, _fmt(v)) for n, v in zip(names, value)])
+                )
+            else:
+                blocks.append(Paragraph((Span(key.replace("_", " "), "strong"), ": ", _fmt(value))))
+    return blocks
+
+
+# --------------------------------------------------------------------------- statements
+def guarantee_sentence(report: Mapping[str, Any]) -> str:
+    """The one-sentence (epsilon, delta) statement of the summary box."""
+    p, unit = report["privacy"], report["data"]["privacy_unit"]
+    if not p["private"]:
+        return "NO PRIVACY GUARANTEE: " + NONPRIVATE_NOTE.format(unit=unit)
+    eps, primary = p["epsilon"], p["accountant"]
+    checks = []
+    for name in ("prv", "rdp", "pld"):
+        if name != primary:
+            prefix = "independent " if name == "pld" else ""
+            checks.append(f"{prefix}{name.upper()} cross-check: {format_epsilon(eps[name])}")
+    return (
+        f"(epsilon, delta) = ({format_epsilon(eps[primary])}, {format_delta(p['delta'])}) for the "
+        f"add/remove-one-{unit} relation, Poisson sampling at rate q = {p['sample_rate']:.6g}, "
+        f"{primary.upper()} accountant ({', '.join(checks)})"
+    )
+
+
+def _seeds(refreshes: Sequence[Mapping[str, Any]]) -> str:
+    seeds = [r["probe_seed"] for r in refreshes]
+    if not seeds:
+        return "no probe seeds recorded"
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    shown = ", ".join(map(str, seeds[:6])) + (", ..." if len(seeds) > 6 else "")
+    return f"seeds {shown}"
+
+
+def probe_summary(pre: Mapping[str, Any]) -> str:
+    """``"<generator>, <noise>, exponent ..., preset ..., seeds ..."`` from the provenance."""
+    src = pre["probe_source"]
+    parts = [str(src.get("source", "probe source"))]
+    kind = src.get("kind")
+    if kind in ("pink", "white"):
+        parts.append(f"{kind} noise")
+    elif kind is not None:
+        parts.append(str(kind))
+    if src.get("alpha") is not None:
+        parts.append(f"exponent alpha = {_fmt(src['alpha'])}")
+    if src.get("zipf_exponent") is not None:
+        parts.append(f"Zipf exponent {_fmt(src['zipf_exponent'])}")
+    if src.get("preset") is not None:
+        parts.append(f"preset {src['preset']}")
+    parts.append(_seeds(pre["refreshes"]))
+    return ", ".join(parts)
+
+
+def preconditioner_statement(report: Mapping[str, Any]) -> str:
+    """Whether private data went into the preconditioner, in one line."""
+    pre = report["preconditioner"]
+    if pre is None:
+        return "Not applicable: no preconditioner"
+    if pre["external_data"] is not None:
+        return f"No private data; external public data: {pre['external_data']['path']}"
+    return f"No: built from synthetic probes only ({probe_summary(pre)})"
+
+
+def _headline_metrics(report: Mapping[str, Any]) -> str:
+    for split in ("test", "val"):
+        values = report["metrics"].get(split)
+        if isinstance(values, Mapping):
+            scalars = [
+                f"{k} {_fmt(v)}"
+                for k, v in values.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "n"
+            ]
+            if scalars:
+                return f"{split}: " + ", ".join(scalars[:4])
+    return "not evaluated"
+
+
+# --------------------------------------------------------------------------- sections
+def build_document(report: Mapping[str, Any]) -> list[Block]:
+    """The report as a list of blocks, in reading order.
+
+    Args:
+        report: A valid report, as plain JSON data (see :func:`~dpkfc_med.report.to_json_data`).
+
+    Returns:
+        Headings, paragraphs, banners, tables, images and code blocks.
+    """
+    run, p = report["run"], report["privacy"]
+    unit = report["data"]["privacy_unit"]
+    doc: list[Block] = [Heading(1, f"Privacy report: {run['name']}")]
+    if report["status"] == "incomplete":
+        doc.append(Banner("INCOMPLETE RUN", INCOMPLETE_NOTE, "warning"))
+    elif report["status"] == "failed":
+        doc.append(Banner("FAILED RUN", FAILED_NOTE, "warning"))
+    if not p["private"]:
+        doc.append(Banner("NO PRIVACY GUARANTEE", NONPRIVATE_NOTE.format(unit=unit), "danger"))
+    doc += _summary(report)
+    doc += _guarantee(report)
+    doc += _mechanism(report)
+    doc += _preconditioner(report)
+    doc += _data(report)
+    doc += _model(report)
+    doc += _results(report)
+    doc += _curves(report)
+    doc += _diagnostics(report)
+    doc += [Heading(2, "Hyperparameter tuning"), Paragraph(p["hyperparameter_tuning"])]
+    doc += _reproducibility(report)
+    return doc
+
+
+def _steps_text(p: Mapping[str, Any]) -> str:
+    planned = f" of {p['planned_steps']} planned" if p["planned_steps"] is not None else ""
+    return f"{p['steps']}{planned} ({p['epochs']:.3g} epochs)"
+
+
+def _summary(report: Mapping[str, Any]) -> list[Block]:
+    p, task, data, model = report["privacy"], report["task"], report["data"], report["model"]
+    status = {"complete": "complete", "incomplete": "INCOMPLETE (interrupted)", "failed": "FAILED"}
+    names = f" ({', '.join(task['label_names'])})" if task["label_names"] else ""
+    guarantee: Inline = guarantee_sentence(report)
+    if not p["private"]:
+        guarantee = (
+            Span("NO PRIVACY GUARANTEE", "strong"),
+            ": " + NONPRIVATE_NOTE.format(unit=data["privacy_unit"]),
+        )
+    rows: list[tuple[Inline, Any]] = [
+        ("Status", status[report["status"]]),
+        ("Privacy guarantee", guarantee),
+        ("Method", _METHODS[p["method"]].format(unit=data["privacy_unit"])),
+        ("Private data used for the preconditioner", preconditioner_statement(report)),
+        (
+            "Privacy unit",
+            f"{data['privacy_unit']} ({data['num_train_units']} units in the training set, at "
+            f"most {_samples(data['max_samples_per_unit'])} each)",
+        ),
+        ("Steps", _steps_text(p)),
+        ("Task", f"{task['kind']}, {task['spatial_dims']}D, {task['num_classes']} classes{names}"),
+        ("Model", f"{model['name']} ({_count(model['num_params'])} parameters)"),
+        ("Results", _headline_metrics(report)),
+        ("Report created", report["created"]),
+    ]
+    return [Heading(2, "Summary"), _kv(rows)]
+
+
+def _guarantee(report: Mapping[str, Any]) -> list[Block]:
+    p, data = report["privacy"], report["data"]
+    out: list[Block] = [Heading(2, "Privacy guarantee"), Paragraph(p["guarantee"])]
+    rows: list[tuple[Inline, Any]] = [
+        ("Neighbouring relation", p["neighbouring_relation"]),
+        (
+            "Privacy unit",
+            f"{data['privacy_unit']} (at most {_samples(data['max_samples_per_unit'])} per unit)",
+        ),
+    ]
+    if p["private"]:
+        eps = p["epsilon"]
+        rows.append(("delta", format_delta(p["delta"])))
+        for name in ("prv", "rdp", "pld"):
+            role = "primary" if name == p["accountant"] else "cross-check"
+            rows.append((f"epsilon, {_ACCOUNTANTS[name]} [{role}]", format_epsilon(eps[name])))
+        rows.append(("epsilon, most conservative of the three", format_epsilon(eps["max"])))
+        rows.append(("Target epsilon", format_epsilon(p["target_epsilon"])))
+    rows += [
+        ("Sampling", _sampling(p)),
+        (
+            "Noise and sampling randomness",
+            "cryptographically secure generator (secure_rng = true)"
+            if p["secure_rng"]
+            else "PyTorch's pseudo-random generator (secure_rng = false); the guarantee assumes "
+            "ideal randomness",
+        ),
+    ]
+    out.append(_kv(rows))
+    if p["private"]:
+        out.append(
+            Paragraph(
+                "Epsilon is printed rounded up to three decimals, never down. It is computed from "
+                f"the privacy ledger, which records every noisy step taken ({p['steps']})."
+            )
+        )
+    pre = report["preconditioner"]
+    if pre is not None and p["private"]:
+        source = "external public data" if pre["external_data"] is not None else "synthetic probes"
+        out.append(
+            Paragraph(
+                f"The preconditioner is computed only from {source} and from model parameters "
+                "that were already released by the mechanism; it never reads the private data, "
+                "so it is post-processing and consumes no privacy budget."
+            )
+        )
+    return out
+
+
+def _samples(n: int) -> str:
+    return "1 sample" if n == 1 else f"{n} samples"
+
+
+def _sampling(p: Mapping[str, Any]) -> str:
+    if p["sampler"] is None:
+        return "n/a"
+    return (
+        f"{p['sampler'].capitalize()} sampling: each unit joins each batch independently "
+        f"with probability q = {p['sample_rate']:.6g} "
+        f"(expected batch size {p['expected_batch_size']})"
+    )
+
+
+def _mechanism(report: Mapping[str, Any]) -> list[Block]:
+    p = report["privacy"]
+    sigma, clip = p["noise_multiplier"], p["max_grad_norm"]
+    noise_std = sigma * clip if sigma is not None and clip is not None else None
+    rows: list[tuple[Inline, Any]] = [
+        ("Method", p["method"]),
+        ("Private", p["private"]),
+        ("Sampler", p["sampler"]),
+        ("Sample rate q", None if p["sample_rate"] is None else f"{p['sample_rate']:.6g}"),
+        ("Expected batch size", p["expected_batch_size"]),
+        ("Noise multiplier sigma", None if sigma is None else f"{sigma:.6g}"),
+        ("Clipping bound C (max_grad_norm)", None if clip is None else f"{clip:.6g}"),
+        (
+            "Noise std on the clipped sum (sigma * C)",
+            None if noise_std is None else f"{noise_std:.6g}",
+        ),
+        ("Steps taken", p["steps"]),
+        ("Steps planned", p["planned_steps"]),
+        ("Epochs", p["epochs"]),
+        ("Accountant", p["accountant"]),
+        ("delta", format_delta(p["delta"])),
+        ("Secure RNG", p["secure_rng"]),
+    ]
+    out: list[Block] = [Heading(2, "Mechanism parameters"), _kv(rows)]
+    out += [Heading(3, "Privacy ledger"), *_ledger(p["ledger"])]
+    return out
+
+
+def _ledger(ledger: Mapping[str, Any]) -> list[Block]:
+    if not ledger:
+        return [Paragraph("The ledger is empty.")]
+    out: list[Block] = []
+    rows = [
+        (k, format_delta(v) if k == "delta" else _fmt(v))
+        for k, v in ledger.items()
+        if not _is_records(v)
+    ]
+    if rows:
+        out.append(Table(("Item", "Value"), rows))
+    for key, value in ledger.items():
+        if _is_records(value):
+            out += [Paragraph(Span(key, "strong")), _records_table(value)]
+    return out
+
+
+def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
+    pre = report["preconditioner"]
+    out: list[Block] = [Heading(2, "Preconditioner provenance")]
+    if pre is None:
+        return [
+            *out,
+            Paragraph(f"No preconditioner was used (method {report['privacy']['method']})."),
+        ]
+    refresh = pre["refresh_every"]
+    schedule = (
+        f"built at step 0, then every {refresh} steps" if refresh else "built once, at step 0"
+    )
+    rows: list[tuple[Inline, Any]] = [
+        ("Uses private data", pre["uses_private_data"]),
+        ("Source", preconditioner_statement(report)),
+    ]
+    ext = pre["external_data"]
+    if ext is not None:
+        sha = ext["sha256"]
+        digest: Inline = Span(sha) if isinstance(sha, str) else _fmt(sha)
+        rows += [
+            ("External data", Span(ext["path"])),
+            ("External data SHA-256", digest),
+            ("External data note", ext["note"]),
+        ]
+    rows += [
+        ("Refresh schedule", schedule),
+        ("Refreshes performed", len(pre["refreshes"])),
+        ("Covered layers", len(pre["covered_layers"])),
+    ]
+    out.append(_kv(rows))
+    out += [Heading(3, "Probe source"), _mapping_table(pre["probe_source"])]
+    out += [Heading(3, "Refreshes")]
+    if pre["refreshes"]:
+        out.append(_records_table(pre["refreshes"], ("step", "probe_seed", "seconds", "scale")))
+    else:
+        out.append(Paragraph("No refresh was recorded."))
+    out.append(Heading(3, "Covered layers"))
+    if pre["coverage"]:
+        out.append(
+            _records_table(
+                pre["coverage"],
+                (
+                    "layer",
+                    "type",
+                    "adapter",
+                    "groups",
+                    "A_dim",
+                    "G_dim",
+                    "A",
+                    "G",
+                    "scale",
+                    "params",
+                ),
+            )
+        )
+    elif pre["covered_layers"]:
+        out.append(Table(("Layer",), [(Span(name),) for name in pre["covered_layers"]]))
+    else:
+        out.append(Paragraph("No layer is covered (the preconditioner is the identity)."))
+    out += [Heading(3, "Preconditioner settings"), _mapping_table(pre["config"], "Setting")]
+    return out
+
+
+def _data(report: Mapping[str, Any]) -> list[Block]:
+    data = report["data"]
+    rows: list[tuple[Inline, Any]] = [
+        ("Path", Span(data["path"])),
+        ("Privacy unit", data["privacy_unit"]),
+        ("Units in the training set", data["num_train_units"]),
+        ("Maximum samples per unit", data["max_samples_per_unit"]),
+    ]
+    out: list[Block] = [Heading(2, "Data"), _kv(rows)]
+    out += [
+        Heading(3, "Splits"),
+        Table(("Split", "Samples"), [(k, _fmt(v)) for k, v in data["splits"].items()]),
+    ]
+    out.append(Heading(3, "Fingerprints"))
+    if data["sha256"]:
+        out.append(
+            Table(("File", "SHA-256"), [(Span(f), Span(h)) for f, h in data["sha256"].items()])
+        )
+    else:
+        out.append(Paragraph("No file fingerprint was recorded."))
+    return out
+
+
+def _model(report: Mapping[str, Any]) -> list[Block]:
+    model = report["model"]
+    out: list[Block] = [
+        Heading(2, "Model"),
+        _kv([("Network", model["name"]), ("Trainable parameters", _count(model["num_params"]))]),
+        Heading(3, "Fixes applied for per-sample privacy"),
+    ]
+    if model["fixes"]:
+        out.append(_records_table(model["fixes"], ("path", "before", "after", "reason")))
+    else:
+        out.append(Paragraph("None were needed."))
+    return out
+
+
+def _results(report: Mapping[str, Any]) -> list[Block]:
+    out: list[Block] = [Heading(2, "Results")]
+    labels = report["task"]["label_names"]
+    for split, title in (("val", "Validation"), ("test", "Test")):
+        values = report["metrics"].get(split)
+        out.append(Heading(3, title))
+        if not values:
+            out.append(Paragraph("Not evaluated."))
+        else:
+            out += _nested_blocks(values, labels)
+    return out
+
+
+def _curves(report: Mapping[str, Any]) -> list[Block]:
+    out: list[Block] = [Heading(2, "Training curves")]
+    if report["training"]:
+        out.append(_mapping_table(report["training"], "Setting"))
+    out += [
+        Image("epsilon", "Privacy spent (epsilon) against training step"),
+        Image("training", "Training loss against step and validation metric against epoch"),
+    ]
+    return out
+
+
+def _diagnostics(report: Mapping[str, Any]) -> list[Block]:
+    out: list[Block] = [Heading(2, "Diagnostics"), Banner("Note", DIAGNOSTICS_NOTE, "note")]
+    diagnostics = report["diagnostics"]
+    if not diagnostics:
+        return [*out, Paragraph("No diagnostics were recorded.")]
+    return out + _nested_blocks(diagnostics, None)
+
+
+def _reproducibility(report: Mapping[str, Any]) -> list[Block]:
+    run, env = report["run"], report["environment"]
+    git = env["git"]
+    if git is None:
+        commit: Inline = "not recorded (not a git checkout)"
+    else:
+        commit = (
+            Span(git["commit"]),
+            " (uncommitted changes present)" if git["dirty"] else " (clean)",
+        )
+    machine = env.get("machine") or {}
+    rows: list[tuple[Inline, Any]] = [
+        ("Report schema", Span(report["schema"])),
+        ("Run name", run["name"]),
+        ("Run directory", Span(run["run_dir"])),
+        ("Config SHA-256", Span(run["config_sha256"])),
+        ("Seed", run["seed"]),
+        ("Device", run["device"]),
+        ("Git commit", commit),
+        ("Python", f"{env['python']} {env.get('python_implementation', '')}".strip()),
+        ("Platform", env.get("platform")),
+    ]
+    for key, label in (
+        ("cpu_count", "CPU count"),
+        ("torch_threads", "Torch threads"),
+        ("accelerators", "Accelerators"),
+    ):
+        if key in machine:
+            value = machine[key]
+            if isinstance(value, list):
+                value = ", ".join(map(str, value)) or "none"
+            rows.append((label, value))
+    return [
+        Heading(2, "Reproducibility"),
+        _kv(rows),
+        Heading(3, "Package versions"),
+        Table(("Package", "Version"), [(k, _fmt(v)) for k, v in env["packages"].items()]),
+        Heading(3, "Run configuration"),
+        Code(json.dumps(run["config"], indent=2), "json"),
+    ]
+
+
+# --------------------------------------------------------------------------- Markdown
+def _md_inline(content: Inline, cell: bool = False) -> str:
+    if isinstance(content, str):
+        text = content.replace("|", "\\|").replace("\n", " ") if cell else content
+        return text
+    if isinstance(content, Span):
+        if content.style == "code":
+            fence = "``" if "`" in content.text else "`"
+            return f"{fence}{content.text}{fence}"
+        mark = "**" if content.style == "strong" else "*"
+        return f"{mark}{_md_inline(content.text, cell)}{mark}"
+    return "".join(_md_inline(part, cell) for part in content)
+
+
+def _md_block(block: Block) -> str:
+    if isinstance(block, Heading):
+        return f"{'#' * block.level} {block.text}"
+    if isinstance(block, Paragraph):
+        return _md_inline(block.content)
+    if isinstance(block, Banner):
+        return f"> **{block.title}:** {block.text}"
+    if isinstance(block, Table):
+        header = [_md_inline(h, True) for h in block.header] or [""] * len(block.rows[0])
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(_md_inline(c, True) for c in row) + " |" for row in block.rows]
+        return "\n".join(lines)
+    if isinstance(block, Image):
+        return f"![{block.caption}]({PLOT_FILES[block.key]})"
+    return f"```{block.language}\n{block.text}\n```"
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """The report as Markdown; figures are linked as ``plots/<name>.png`` next to it.
+
+    Args:
+        report: A valid report as plain JSON data.
+
+    Returns:
+        The document, ending in a newline.
+    """
+    return "\n\n".join(_md_block(b) for b in build_document(report)) + "\n"
+
+
+# --------------------------------------------------------------------------- HTML
+_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem;
+       color: #222; line-height: 1.45; }
+table { border-collapse: collapse; margin: 0.6rem 0 1rem; }
+th, td { border: 1px solid #bbb; padding: 0.25rem 0.5rem; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+code { font-size: 0.9em; word-break: break-all; }
+pre { background: #f6f6f6; padding: 0.8rem; overflow-x: auto; }
+.banner { border: 2px solid; padding: 0.6rem 0.9rem; margin: 1rem 0; }
+.banner-danger { border-color: #b00020; background: #fde7ea; }
+.banner-warning { border-color: #b36b00; background: #fff3dc; }
+.banner-note { border-color: #555; background: #f3f3f3; }
+figure { margin: 1rem 0; } figure img { max-width: 100%; }
+figcaption { font-size: 0.9em; color: #555; }
+"""
+
+
+def _html_inline(content: Inline) -> str:
+    if isinstance(content, str):
+        return html.escape(content)
+    if isinstance(content, Span):
+        tag = {"code": "code", "strong": "strong", "em": "em"}[content.style]
+        return f"<{tag}>{html.escape(content.text)}</{tag}>"
+    return "".join(_html_inline(part) for part in content)
+
+
+def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
+    if isinstance(block, Heading):
+        return f"<h{block.level}>{html.escape(block.text)}</h{block.level}>"
+    if isinstance(block, Paragraph):
+        return f"<p>{_html_inline(block.content)}</p>"
+    if isinstance(block, Banner):
+        return (
+            f'<div class="banner banner-{block.kind}"><strong>{html.escape(block.title)}:</strong> '
+            f"{html.escape(block.text)}</div>"
+        )
+    if isinstance(block, Table):
+        head = "".join(f"<th>{_html_inline(h)}</th>" for h in block.header)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{_html_inline(c)}</td>" for c in row) + "</tr>"
+            for row in block.rows
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    if isinstance(block, Image):
+        caption = html.escape(block.caption)
+        png = plots.get(block.key)
+        if png is None:
+            return f"<p><em>Figure not available: {caption}</em></p>"
+        uri = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        return (
+            f'<figure><img src="{uri}" alt="{caption}"><figcaption>{caption}</figcaption></figure>'
+        )
+    return f"<pre><code>{html.escape(block.text)}</code></pre>"
+
+
+def render_html(report: Mapping[str, Any], plots: Mapping[str, bytes]) -> str:
+    """The report as one self-contained HTML page (figures inlined as base64 data URIs).
+
+    Args:
+        report: A valid report as plain JSON data.
+        plots: PNG bytes by figure key (``"epsilon"``, ``"training"``), as returned by
+            :func:`~dpkfc_med.report.plots.render_plots`; a missing key is noted in the page.
+
+    Returns:
+        The HTML document.
+    """
+    title = html.escape(f"Privacy report: {report['run']['name']}")
+    body = "\n".join(_html_block(b, plots) for b in build_document(report))
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
+    )

@@ -1,0 +1,143 @@
+"""Write a run's privacy report: the JSON record first, then figures, Markdown and HTML.
+
+Files in the run directory (paths relative to it)::
+
+    privacy_report.json     the record (schema dpkfc_med.privacy_report/1); the source of truth
+    privacy_report.md       human-readable; links plots/*.png
+    privacy_report.html     self-contained (figures inlined), for e-mail or an archive
+    plots/epsilon.png       epsilon against step
+    plots/training.png      training loss against step, validation metric against epoch
+
+The JSON is written first and every file is replaced atomically, so an interrupted write
+leaves either the old or the new version, and the views can always be rebuilt from the JSON
+with :func:`rerender`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dpkfc_med.report.plots import PLOT_FILES, render_plots
+from dpkfc_med.report.render import render_html, render_markdown
+from dpkfc_med.report.schema import ReportSchemaError, check_report, to_json_data
+
+__all__ = ["REPORT_FILES", "load_report", "rerender", "write_report"]
+
+REPORT_FILES: dict[str, str] = {
+    "json": "privacy_report.json",
+    "markdown": "privacy_report.md",
+    "html": "privacy_report.html",
+    **{f"{key}_plot": path for key, path in PLOT_FILES.items()},
+}
+"""Key of :func:`write_report`'s result -> path relative to the run directory."""
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    try:
+        # mkstemp creates 0600 files; a report is meant to be handed on, so give it the mode
+        # an ordinary file would get under the current umask.
+        os.chmod(tmp, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(report: Mapping[str, Any], run_dir: str | Path) -> dict[str, Path]:
+    """Validate ``report`` and write the JSON record, figures, Markdown and HTML.
+
+    Args:
+        report: The report dict (schema :data:`~dpkfc_med.report.REPORT_SCHEMA`). Enums, paths,
+            tuples, dataclasses and NumPy/torch numbers are converted to JSON; NaN and
+            infinities outside the privacy fields (a diverged loss, the AUROC of a one-class
+            split) are stored as ``null``.
+        run_dir: The run directory; created if needed.
+
+    Returns:
+        The paths written, keyed like :data:`REPORT_FILES` (``"json"``, ``"markdown"``,
+        ``"html"``, ``"epsilon_plot"``, ``"training_plot"``).
+
+    Raises:
+        ReportSchemaError: listing every problem; nothing is written then.
+    """
+    check_report(report)
+    data, problems = to_json_data(report, finite=True)
+    if problems:  # pragma: no cover - check_report has reported these already
+        raise ReportSchemaError(problems)
+    text = json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    run_dir = Path(run_dir)
+    json_path = run_dir / REPORT_FILES["json"]
+    _atomic_write(json_path, text.encode("utf-8"))
+    # Render from the JSON as stored, so rerender() reproduces these files exactly.
+    return {"json": json_path, **_write_views(json.loads(text), run_dir)}
+
+
+def _write_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, Path]:
+    plots = render_plots(data)
+    written: dict[str, Path] = {}
+    for key, png in plots.items():
+        path = run_dir / PLOT_FILES[key]
+        _atomic_write(path, png)
+        written[f"{key}_plot"] = path
+    for key, text in (("markdown", render_markdown(data)), ("html", render_html(data, plots))):
+        path = run_dir / REPORT_FILES[key]
+        _atomic_write(path, text.encode("utf-8"))
+        written[key] = path
+    return written
+
+
+def load_report(run_dir: str | Path) -> dict[str, Any]:
+    """Read and validate ``<run_dir>/privacy_report.json``.
+
+    Raises:
+        FileNotFoundError: when the run directory has no report.
+        ReportSchemaError: when the file does not follow the schema.
+    """
+    path = Path(run_dir) / REPORT_FILES["json"]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no privacy report here; pass the run directory of a training run "
+            "(the folder that holds privacy_report.json)"
+        )
+    data = json.loads(path.read_text(encoding="utf-8"))
+    check_report(data)
+    return data
+
+
+def rerender(run_dir: str | Path) -> dict[str, Path]:
+    """Rebuild the figures, Markdown and HTML from ``<run_dir>/privacy_report.json``.
+
+    Nothing is recomputed: every figure and number comes from the stored JSON (used by
+    ``dpkfc-med report RUN_DIR``, e.g. after a rendering fix or to restore deleted views).
+
+    Args:
+        run_dir: A run directory written by :func:`write_report`.
+
+    Returns:
+        The paths, keyed like :data:`REPORT_FILES` (the JSON file is read, not rewritten).
+
+    Raises:
+        FileNotFoundError: when the run directory has no report.
+        ReportSchemaError: when the stored report does not follow the schema.
+    """
+    run_dir = Path(run_dir)
+    data = load_report(run_dir)
+    return {"json": run_dir / REPORT_FILES["json"], **_write_views(data, run_dir)}

@@ -1,0 +1,545 @@
+"""Privacy report: schema validation, files written, rendered statements, rounding, environment."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpkfc_med.report import (
+    REPORT_FILES,
+    REPORT_SCHEMA,
+    ReportSchemaError,
+    check_report,
+    collect_environment,
+    format_delta,
+    format_epsilon,
+    render_html,
+    render_markdown,
+    render_plots,
+    rerender,
+    sha256_of_files,
+    validate_report,
+    write_report,
+)
+from dpkfc_med.report import environment as env_module
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DELETE = object()
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def example_report(**overrides):
+    """A complete, valid DP-KFC classification report.
+
+    ``overrides`` set nested fields by ``__``-joined paths, e.g. ``privacy__delta=2.0``;
+    the value ``DELETE`` removes the field.
+    """
+    steps = list(range(0, 101, 10))
+    report = {
+        "schema": REPORT_SCHEMA,
+        "status": "complete",
+        "created": "2024-05-01T12:00:00+00:00",
+        "run": {
+            "name": "breastmnist-dpkfc",
+            "run_dir": "runs/breastmnist-dpkfc",
+            "config_sha256": _sha("config"),
+            "config": {"method": "dp-kfc", "privacy": {"target_epsilon": 2.0}},
+            "seed": 0,
+            "device": "cpu",
+        },
+        "task": {
+            "kind": "classification",
+            "spatial_dims": 2,
+            "num_classes": 2,
+            "label_names": ["malignant", "benign"],
+        },
+        "data": {
+            "path": "medmnist/breastmnist.npz",
+            "sha256": {"breastmnist.npz": _sha("data")},
+            "splits": {"train": 546, "val": 78, "test": 156},
+            "num_train_units": 546,
+            "privacy_unit": "image",
+            "max_samples_per_unit": 1,
+        },
+        "model": {
+            "name": "DenseNet121",
+            "num_params": 6_953_856,
+            "fixes": [
+                {
+                    "path": "features.norm0",
+                    "before": "BatchNorm2d(64)",
+                    "after": "GroupNorm(32, 64)",
+                    "reason": "BatchNorm mixes samples",
+                }
+            ],
+        },
+        "privacy": {
+            "method": "dp-kfc",
+            "private": True,
+            "accountant": "prv",
+            "epsilon": {"prv": 1.23401, "rdp": 1.4102, "pld": 1.2338, "max": 1.4102},
+            "target_epsilon": 2.0,
+            "delta": 1e-5,
+            "sampler": "poisson",
+            "sample_rate": 0.1172,
+            "expected_batch_size": 64,
+            "noise_multiplier": 1.1,
+            "max_grad_norm": 1.0,
+            "steps": 100,
+            "planned_steps": 100,
+            "epochs": 11.72,
+            "secure_rng": False,
+            "neighbouring_relation": "add/remove one image of the training set",
+            "guarantee": "Releasing every model parameter update is (epsilon, delta)-DP.",
+            "hyperparameter_tuning": "Hyperparameters were fixed in advance on public data.",
+            "ledger": {
+                "schema": "dpkfc_med.ledger/1",
+                "delta": 1e-5,
+                "events": [{"sample_rate": 0.1172, "noise_multiplier": 1.1, "steps": 100}],
+                "steps": 100,
+            },
+        },
+        "preconditioner": {
+            "uses_private_data": False,
+            "external_data": None,
+            "probe_source": {
+                "source": "ImageProbeSource",
+                "uses_private_data": False,
+                "kind": "pink",
+                "alpha": 3.2,
+                "preset": "mammography",
+            },
+            "refresh_every": 50,
+            "refreshes": [
+                {"step": 0, "probe_seed": 0, "seconds": 0.4, "scale": 1.3},
+                {"step": 50, "probe_seed": 1, "seconds": 0.4, "scale": 1.2},
+                {"step": 100, "probe_seed": 2, "seconds": 0.4, "scale": 1.1},
+            ],
+            "covered_layers": ["features.conv0", "classifier"],
+            "config": {"damping_g": 0.1, "num_probes": 256},
+            "coverage": [
+                {
+                    "layer": "features.conv0",
+                    "type": "Conv2d",
+                    "adapter": "conv",
+                    "groups": 1,
+                    "A_dim": 147,
+                    "G_dim": 64,
+                    "A": "full",
+                    "G": "full",
+                    "scale": 1.1,
+                    "params": 9408,
+                }
+            ],
+        },
+        "training": {"optimizer": "sgd", "lr": 0.5, "epochs": 12, "batch_size": 64},
+        "history": {
+            "step": steps,
+            "epsilon": [0.0, *[0.1 * i + 0.2 for i in range(1, len(steps))]],
+            "loss": [0.7 - 0.02 * i for i in range(len(steps))],
+            "val_epoch": [1, 2, 3],
+            "val_metric": [0.6, 0.7, 0.75],
+            "val_metric_name": "auroc",
+        },
+        "metrics": {
+            "val": {"accuracy": 0.8, "auroc": 0.75},
+            "test": {
+                "n": 156,
+                "accuracy": 0.81,
+                "auroc": 0.79,
+                "per_class": {
+                    "malignant": {"sensitivity": 0.5, "specificity": 0.9, "support": 42},
+                    "benign": {"sensitivity": 0.9, "specificity": 0.5, "support": 114},
+                },
+                "confusion_matrix": [[21, 21], [11, 103]],
+            },
+        },
+        "diagnostics": {"mean_clipped_fraction": 0.93, "layer_share": {"classifier": 0.4}},
+        "environment": {
+            "python": "3.11.7",
+            "platform": "Linux-x86_64",
+            "machine": {"cpu_count": 2, "torch_threads": 1, "accelerators": []},
+            "packages": {"torch": "2.4.0", "opacus": "1.5.2", "medmnist": None},
+            "git": {"commit": "a" * 40, "dirty": False},
+        },
+    }
+    for key, value in overrides.items():
+        *parents, leaf = key.split("__")
+        node = report
+        for part in parents:
+            node = node[part]
+        if value is DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return report
+
+
+def example_nonprivate(**overrides):
+    report = example_report(**overrides)
+    report["privacy"].update(
+        method="nonprivate",
+        private=False,
+        epsilon=None,
+        target_epsilon=None,
+        delta=None,
+        sampler=None,
+        sample_rate=None,
+        expected_batch_size=None,
+        noise_multiplier=None,
+        max_grad_norm=None,
+        guarantee="None: the model was trained without differential privacy.",
+    )
+    report["preconditioner"] = None
+    report["history"]["epsilon"] = []
+    return report
+
+
+# --------------------------------------------------------------------------- validation
+def test_example_report_is_valid():
+    assert validate_report(example_report()) == []
+    assert validate_report(example_nonprivate()) == []
+    check_report(example_report())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"privacy__epsilon__prv": DELETE}, r"privacy\.epsilon\.prv: missing"),
+        ({"privacy__delta": 2.0}, r"privacy\.delta: must be a number in \(0, 1\), got 2\.0"),
+        ({"privacy__delta": math.nan}, r"privacy\.delta: must be a number in \(0, 1\)"),
+        ({"schema": "other/2"}, r"schema: must be 'dpkfc_med\.privacy_report/1'"),
+        ({"status": "complet"}, r"status: must be one of .*\(did you mean 'complete'\?\)"),
+        ({"created": "yesterday"}, r"created: must be an ISO-8601 date-time"),
+        ({"run__config_sha256": "abc"}, r"run\.config_sha256: must be a 64-character hex"),
+        ({"task__spatial_dims": 4}, r"task\.spatial_dims: must be one of 2, 3, got 4"),
+        ({"task__label_names": ["a"]}, r"task\.label_names: must have num_classes=2 entries"),
+        ({"data__max_samples_per_unit": 0}, r"data\.max_samples_per_unit: must be an integer >= 1"),
+        ({"privacy__sampler": "uniform"}, r"privacy\.sampler: must be one of 'poisson'"),
+        ({"privacy__noise_multiplier": 0.0}, r"privacy\.noise_multiplier: must be a number > 0"),
+        ({"privacy__private": False}, r"privacy\.private: must be true for method 'dp-kfc'"),
+        ({"privacy__epsilon__max": 1.3}, r"privacy\.epsilon\.max: must be the largest"),
+        ({"privacy__steps": True}, r"privacy\.steps: must be an integer >= 0, got True"),
+        ({"preconditioner__uses_private_data": True}, r"uses_private_data: must be false"),
+        ({"preconditioner": None}, r"preconditioner: must describe the preconditioner"),
+        ({"preconditioner__refreshes": [{"step": 0}]}, r"refreshes\[0\]\.probe_seed: missing"),
+        ({"history__loss": [1.0]}, r"history\.loss: must have the length of history\.step"),
+        ({"environment__git": {"commit": "abc"}}, r"environment\.git\.dirty: missing"),
+        ({"diagnostics": DELETE}, r"diagnostics: missing \(null when there is none\)"),
+        ({"run__config": {"x": object()}}, r"run\.config\.x: value of type object is not JSON"),
+        (
+            {"metrics__test__confusion_matrix": [[1, 2]]},
+            r"metrics\.test\.confusion_matrix: must be a square",
+        ),
+    ],
+)
+def test_invalid_fields_are_named(overrides, message):
+    with pytest.raises(ReportSchemaError, match=message):
+        check_report(example_report(**overrides))
+
+
+def test_all_problems_are_reported_at_once():
+    report = example_report(privacy__delta=-1, status="done", model__name=DELETE)
+    problems = validate_report(report)
+    assert len(problems) == 3, problems
+    with pytest.raises(ReportSchemaError) as err:
+        write_report(report, "unused")
+    assert err.value.problems == tuple(problems)
+
+
+def test_method_consistency_rules():
+    leaky = _with(example_nonprivate(), ("privacy", "epsilon"), {"prv": 1.0})
+    assert any(p.startswith("privacy.epsilon: must be null") for p in validate_report(leaky))
+    sgd_flag = _with(example_report(), ("privacy", "private"), False)
+    assert "privacy.private: must be true for method 'dp-kfc'" in validate_report(sgd_flag)
+    sgd = _with(example_report(), ("privacy", "method"), "dp-sgd")
+    assert any("must be null for method 'dp-sgd'" in p for p in validate_report(sgd))
+    public = _with(example_report(), ("privacy", "method"), "dp-kfc-public")
+    assert any("external_data: must name" in p for p in validate_report(public))
+    public["preconditioner"]["external_data"] = {
+        "path": "public/cbis-ddsm",
+        "sha256": {"a.png": _sha("a")},
+        "note": "public mammograms, CC-BY",
+    }
+    assert validate_report(public) == []
+
+
+def _with(report, path, value):
+    report = copy.deepcopy(report)
+    node = report
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+    return report
+
+
+def test_enums_paths_and_numpy_values_are_accepted(tmp_path):
+    class Method(str, Enum):
+        DP_KFC = "dp-kfc"
+
+    report = example_report(privacy__method=Method.DP_KFC, data__path=Path("a/b.npz"))
+    report["history"]["loss"] = np.asarray(report["history"]["loss"])
+    report["metrics"]["test"]["auroc"] = np.float64("nan")  # one-class split
+    report["privacy"]["steps"] = np.int64(100)
+    assert validate_report(report) == []
+    paths = write_report(report, tmp_path)
+    stored = json.loads(paths["json"].read_text())
+    assert stored["privacy"]["method"] == "dp-kfc"
+    assert stored["metrics"]["test"]["auroc"] is None  # strict JSON has no NaN
+    assert isinstance(stored["history"]["loss"], list)
+
+
+# --------------------------------------------------------------------------- files
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    return run_dir, write_report(example_report(), run_dir)
+
+
+def test_write_report_produces_all_files(written):
+    run_dir, paths = written
+    assert set(paths) == set(REPORT_FILES)
+    for key, rel in REPORT_FILES.items():
+        assert paths[key] == run_dir / rel and paths[key].is_file()
+    assert json.loads(paths["json"].read_text()) == example_report()
+    for key in ("epsilon_plot", "training_plot"):
+        assert paths[key].read_bytes().startswith(PNG_MAGIC)
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert paths["json"].stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_markdown_states_the_guarantee(written):
+    md = written[1]["markdown"].read_text()
+    assert md.startswith("# Privacy report: breastmnist-dpkfc")
+    assert (
+        "(epsilon, delta) = (1.235, 1e-5) for the add/remove-one-image relation, Poisson "
+        "sampling at rate q = 0.1172, PRV accountant (RDP cross-check: 1.411, independent PLD "
+        "cross-check: 1.234)"
+    ) in md
+    assert (
+        "No: built from synthetic probes only (ImageProbeSource, pink noise, exponent alpha = "
+        "3.2, preset mammography, seeds 0-2)"
+    ) in md
+    for section in (
+        "Privacy guarantee",
+        "Mechanism parameters",
+        "Preconditioner provenance",
+        "Data",
+        "Model",
+        "Results",
+        "Training curves",
+        "Diagnostics",
+        "Hyperparameter tuning",
+        "Reproducibility",
+    ):
+        assert f"\n## {section}\n" in md
+    assert md.index("## Summary") < md.index("## Privacy guarantee")
+    assert "![Privacy spent (epsilon) against training step](plots/epsilon.png)" in md
+    assert "(plots/training.png)" in md
+    assert "not covered by the privacy guarantee; for the data custodian only" in md
+    assert "| features.conv0 | Conv2d | conv |" in md
+    assert "| **malignant** | 21 | 21 |" in md  # confusion matrix, rows: true class
+    assert "GroupNorm(32, 64)" in md
+    assert _sha("data") in md and "a" * 40 in md
+    assert "INCOMPLETE" not in md and "NO PRIVACY GUARANTEE" not in md
+
+
+def test_html_is_self_contained(written):
+    page = written[1]["html"].read_text()
+    assert page.count('src="data:image/png;base64,') == 2
+    assert "plots/epsilon.png" not in page
+    assert "1.235" in page and "INCOMPLETE RUN" not in page
+
+
+def test_render_html_escapes_and_notes_missing_plots():
+    report = example_report(run__name="<script>x</script>")
+    page = render_html(report, {})
+    assert "<script>x" not in page and "&lt;script&gt;" in page
+    assert page.count("Figure not available") == 2
+
+
+def test_rerender_reproduces_views_from_json(written):
+    run_dir, paths = written
+    before = {k: p.read_bytes() for k, p in paths.items()}
+    for key in ("markdown", "html", "epsilon_plot"):
+        paths[key].unlink()
+    again = rerender(run_dir)
+    assert {k: p.read_bytes() for k, p in again.items()} == before
+
+
+def test_rerender_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no privacy report here"):
+        rerender(tmp_path)
+    bad = example_report()
+    del bad["privacy"]["epsilon"]["pld"]
+    (tmp_path / REPORT_FILES["json"]).write_text(json.dumps(bad))
+    with pytest.raises(ReportSchemaError, match=r"privacy\.epsilon\.pld: missing"):
+        rerender(tmp_path)
+
+
+# --------------------------------------------------------------------------- banners
+def test_incomplete_run_banner_comes_first():
+    report = example_report(status="incomplete", privacy__steps=40, privacy__planned_steps=100)
+    md = render_markdown(report)
+    first_block = md.split("\n\n")[1]
+    assert first_block == (
+        "> **INCOMPLETE RUN:** the figures below cover the steps taken before the "
+        "interruption; the privacy spent is as stated"
+    )
+    assert "| Steps | 40 of 100 planned" in md
+    assert render_plots(report)["epsilon"].startswith(PNG_MAGIC)
+
+
+def test_nonprivate_banner_and_no_epsilon():
+    report = example_nonprivate()
+    md = render_markdown(report)
+    assert md.split("\n\n")[1].startswith("> **NO PRIVACY GUARANTEE:**")
+    assert "| Privacy guarantee | **NO PRIVACY GUARANTEE**:" in md
+    assert "(epsilon, delta)" not in md
+    assert "Not applicable: no preconditioner" in md
+    page = render_html(report, render_plots(report))
+    assert 'class="banner banner-danger"><strong>NO PRIVACY GUARANTEE:' in page
+
+
+def test_public_data_statement():
+    report = example_report(privacy__method="dp-kfc-public")
+    report["preconditioner"]["external_data"] = {
+        "path": "public/cbis-ddsm.npz",
+        "sha256": _sha("public"),
+        "note": "public mammography set",
+    }
+    md = render_markdown(report)
+    assert "No private data; external public data: public/cbis-ddsm.npz" in md
+    assert f"`{_sha('public')}`" in md
+
+
+# --------------------------------------------------------------------------- rounding
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (1.23401, "1.235"),
+        (0.99912, "1.000"),
+        (1.234, "1.234"),  # exact decimals stay as they are
+        (2.0, "2.000"),
+        (0.0, "0.000"),
+        (0.0000001, "0.001"),
+        (12.3456, "12.346"),
+        (None, "n/a"),
+        (math.inf, "inf"),
+    ],
+)
+def test_epsilon_is_rounded_up(value, text):
+    assert format_epsilon(value) == text
+
+
+def test_epsilon_never_printed_below_its_value():
+    rng = np.random.default_rng(0)
+    for value in rng.uniform(0, 20, 2000):
+        assert float(format_epsilon(float(value))) >= value
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(1e-5, "1e-5"), (1 / 546, "0.00184"), (1 / 5460, "1.84e-4"), (2.8571428e-6, "2.86e-6")],
+)
+def test_delta_is_rounded_up(value, text):
+    assert format_delta(value) == text
+    assert float(text) >= value
+
+
+# --------------------------------------------------------------------------- environment
+def test_collect_environment_has_versions(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_git(repo_dir, *args):
+        calls.append(args)
+        return {"rev-parse": "c0ffee" * 6 + "abcd\n", "status": " M file.py\n"}[args[0]]
+
+    monkeypatch.setattr(env_module, "_run_git", fake_git)
+    (tmp_path / ".git").mkdir()
+    env = collect_environment(tmp_path)
+    for name in ("torch", "opacus", "monai", "numpy", "dpkfc_med", "nibabel", "medmnist"):
+        assert name in env["packages"]
+    assert env["packages"]["torch"] and env["packages"]["numpy"] == np.__version__
+    assert env["git"] == {"commit": "c0ffee" * 6 + "abcd", "dirty": True}
+    assert env["machine"]["cpu_count"] >= 1 and env["machine"]["torch_threads"] >= 1
+    assert env["python"].count(".") == 2
+    report = example_report(environment=env)
+    assert validate_report(report) == []
+
+
+def test_collect_environment_outside_a_checkout(monkeypatch, tmp_path):
+    def no_git(*args):
+        raise AssertionError("git must not run outside a checkout")
+
+    monkeypatch.setattr(env_module, "_run_git", no_git)
+    assert collect_environment(tmp_path)["git"] is None
+
+
+def test_collect_environment_git_failure(monkeypatch, tmp_path):
+    monkeypatch.setattr(env_module, "_run_git", lambda *args: None)
+    (tmp_path / ".git").mkdir()
+    assert collect_environment(tmp_path)["git"] is None
+
+
+def test_sha256_of_files(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"abc")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes(b"")
+    digests = sha256_of_files(tmp_path)
+    assert digests == {
+        str(tmp_path / "a.txt"): hashlib.sha256(b"abc").hexdigest(),
+        str(tmp_path / "sub" / "b.txt"): hashlib.sha256(b"").hexdigest(),
+    }
+    assert sha256_of_files([tmp_path / "a.txt"]) == {
+        str(tmp_path / "a.txt"): hashlib.sha256(b"abc").hexdigest()
+    }
+    with pytest.raises(FileNotFoundError, match="missing.npz: no such file"):
+        sha256_of_files(tmp_path / "missing.npz")
+
+
+# --------------------------------------------------------------------------- layouts
+def test_long_tables_are_shortened_and_nested_metrics_tabulated():
+    report = example_report()
+    report["preconditioner"]["refreshes"] = [
+        {"step": 10 * i, "probe_seed": i, "seconds": 0.1, "scale": 1.0} for i in range(30)
+    ]
+    md = render_markdown(report)
+    assert "*... 10 more rows in the JSON report*" in md
+    assert "| 290 | 29 | 0.1 | 1 |" in md and "| 150 | 15 |" not in md
+    assert "seeds 0-29" in md
+    assert "| class | sensitivity | specificity | support |" in md
+
+
+def test_segmentation_report_with_undefined_values(tmp_path):
+    report = example_report(
+        task__kind="segmentation",
+        task__spatial_dims=3,
+        task__label_names=["background", "tumour"],
+        data__privacy_unit="patient/volume",
+        data__max_samples_per_unit=4,
+        metrics__test={"mean_dice": 0.7, "dice": [0.9, float("nan")]},
+    )
+    report["history"]["loss"][3] = float("inf")  # a diverged step
+    assert validate_report(report) == []
+    md = render_markdown(report)
+    assert "for the add/remove-one-patient/volume relation" in md
+    assert "at most 4 samples per unit" in md
+    assert "| tumour | nan |" in md
+    paths = write_report(report, tmp_path)
+    stored = json.loads(paths["json"].read_text())
+    assert stored["history"]["loss"][3] is None and stored["metrics"]["test"]["dice"][1] is None
+    assert "| tumour | n/a |" in paths["markdown"].read_text()
