@@ -92,7 +92,10 @@ class PreconditionerConfig:
     """Settings of the probe-only preconditioner.
 
     Attributes:
-        factors: ``"ag"``, ``"a"`` or ``"identity"``.
+        factors: ``"a"`` (default: activation whitening only), ``"ag"`` or ``"identity"``.
+            The default follows the benchmarks (``benchmarks/results``): on PneumoniaMNIST
+            the probe ``G`` factors are nearly rank-deficient (two classes) and full A+G with
+            ``damping_g=0.1`` collapsed to the majority class, while A-only did not.
         damping_a: relative damping of ``A`` (times its mean eigenvalue).
         damping_g: relative damping of ``G``; the key hyperparameter (DESIGN.md 2b: 1e-3
             collapses a binary task, 0.1 does not).
@@ -107,7 +110,7 @@ class PreconditionerConfig:
         eig_dtype: ``"float64"`` or ``"float32"`` for the eigendecompositions.
     """
 
-    factors: FactorMode | str = FactorMode.AG
+    factors: FactorMode | str = FactorMode.A
     damping_a: float = 1e-3
     damping_g: float = 0.1
     reduction: FactorReduction | str = FactorReduction.EXPAND

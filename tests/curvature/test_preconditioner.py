@@ -82,12 +82,15 @@ def _probe_batch(n=64):
     return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
+@pytest.mark.parametrize("factors", ["a", "ag"])
 @pytest.mark.parametrize("scaling", ["global", "per_layer", "none"])
-def test_scale_rules(scaling, float64):
+def test_scale_rules(scaling, factors, float64):
     torch.manual_seed(0)
     net = tiny_cnn_2d()
     x, y = _probe_batch()
-    cfg = PreconditionerConfig(scaling=scaling, calibration_samples=16, num_probes=64)
+    cfg = PreconditionerConfig(
+        factors=factors, scaling=scaling, calibration_samples=16, num_probes=64
+    )
     pre = KroneckerPreconditioner.from_probes(net, x, y, per_sample_ce, cfg)
     # Recompute per-sample transformed norms on the calibration probes by brute force.
     params = [p for p in net.parameters()]

@@ -157,7 +157,8 @@ def test_preconditioner_independent_of_private_data(float64):
     for seed in (0, 1):
         x, y = _data(48, seed=seed)
         model = copy.deepcopy(base)
-        eng, _ = _engine("dp-kfc", model, x, y, probe_seed=5)
+        cfg = PreconditionerConfig(factors="ag")
+        eng, _ = _engine("dp-kfc", model, x, y, probe_seed=5, preconditioner=cfg)
         pres.append(eng.preconditioner)
     for name in pres[0].blocks:
         a, b = pres[0].blocks[name], pres[1].blocks[name]

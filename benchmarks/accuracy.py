@@ -1,0 +1,378 @@
+"""Accuracy vs epsilon: non-private, plain Opacus DP-SGD, our DP-SGD and DP-KFC variants.
+
+Run (full PneumoniaMNIST, small CNN, epsilon 1 and 8, seeds 1-3)::
+
+    python benchmarks/accuracy.py --suite pneumonia_cnn --eps 1,8
+
+Other suites: ``pneumonia_densenet`` (a reduced MONAI DenseNet), ``adrenal3d_cnn``
+(AdrenalMNIST3D at epsilon 8). ``--quick`` runs a tiny slice (smoke test only).
+
+Tuning protocol (identical for every method): SGD with momentum 0.9, clip norm C = 1, expected
+batch 256 (suite-specific), a grid of learning rates ``--lrs`` (default 0.05, 0.2) run with
+the tuning seed 0 and scored by validation AUROC; the chosen learning rate is then run with
+the evaluation seeds and scored on the test split. Model selection inside a run (best epoch by
+validation AUROC) is the same for every method. Tuning and selection look at private
+validation data and are NOT covered by the reported epsilon.
+
+Results are appended run by run to the JSON (so an interrupted benchmark resumes) and a
+Markdown table is regenerated from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpkfc_med.training.config import config_from_dict  # noqa: E402
+from dpkfc_med.training.loop import train  # noqa: E402
+from dpkfc_med.training.metrics import classification_metrics  # noqa: E402
+from dpkfc_med.training.tasks import build_task  # noqa: E402
+
+SUITES: dict[str, dict[str, Any]] = {
+    "pneumonia_cnn": {
+        "data": {"path": "pneumoniamnist"},
+        "model": {"name": "small_cnn"},
+        "training": {"epochs": 10, "batch_size": 256},
+        "probes": {"preset": "xray"},
+    },
+    "pneumonia_densenet": {
+        "data": {"path": "pneumoniamnist"},
+        "model": {
+            "name": "densenet121",
+            "kwargs": {"init_features": 16, "growth_rate": 8, "block_config": [2, 2, 2]},
+        },
+        "training": {"epochs": 5, "batch_size": 256},
+        "probes": {"preset": "xray", "num_probes": 128},
+    },
+    "adrenal3d_cnn": {
+        "data": {"path": "adrenalmnist3d"},
+        "model": {"name": "small_cnn"},
+        "training": {"epochs": 10, "batch_size": 128},
+        "probes": {"preset": "ct", "num_probes": 128},
+    },
+}
+
+METHODS: dict[str, dict[str, Any]] = {
+    "nonprivate": {"method": "nonprivate"},
+    "opacus": {"method": "opacus"},  # Opacus' own PrivacyEngine, none of our privacy code
+    "dp-sgd": {"method": "dp-sgd"},
+    "dp-kfc": {"method": "dp-kfc"},  # the shipped default preconditioner
+    "dp-kfc-white": {"method": "dp-kfc-white"},
+    "dp-kfc-ag": {"method": "dp-kfc", "preconditioner": {"factors": "ag", "damping_g": 0.1}},
+    "dp-kfc-ag-perlayer": {
+        "method": "dp-kfc",
+        "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},
+    },
+}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def _config(
+    suite: str, method: str, eps: float, lr: float, seed: int, quick: bool, out: Path
+) -> dict:
+    spec = METHODS[method]
+    cfg = _merge(SUITES[suite], {k: v for k, v in spec.items() if k != "method"})
+    cfg = _merge(
+        cfg,
+        {
+            "name": f"{suite}_{method}_eps{eps:g}_lr{lr:g}_s{seed}",
+            "method": "dp-sgd" if spec["method"] == "opacus" else spec["method"],
+            "privacy": {"target_epsilon": eps, "max_grad_norm": 1.0},
+            "training": {"lr": lr, "momentum": 0.9, "seed": seed, "progress": False},
+            "output": {"dir": str(out / "{name}")},
+        },
+    )
+    if quick:
+        cfg = _merge(
+            cfg,
+            {
+                "data": {"max_train": 256, "max_eval": 128},
+                "training": {"epochs": 2, "batch_size": 64},
+            },
+        )
+        cfg = _merge(
+            cfg, {"probes": {"num_probes": 32}, "preconditioner": {"calibration_samples": 4}}
+        )
+    return cfg
+
+
+def _run_opacus(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """Plain Opacus DP-SGD with the same data, model, schedule, selection and metrics."""
+    from opacus import PrivacyEngine
+
+    from dpkfc_med.models import build_model
+    from dpkfc_med.training.loop import plan_privacy
+
+    cfg = config_from_dict(cfg_dict)
+    task = build_task(cfg)
+    torch.manual_seed(cfg.training.seed)
+    model, _ = build_model(
+        cfg.model.name,
+        spatial_dims=task.spatial_dims,
+        in_channels=task.in_channels,
+        out_channels=task.num_classes,
+        **cfg.model.kwargs,
+    )
+    n = len(task.train_set)
+    batch = min(cfg.training.batch_size, n)
+    steps_per_epoch = math.ceil(n / batch)
+    delta = plan_privacy(cfg, n, steps_per_epoch)["delta"]
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.training.lr, momentum=cfg.training.momentum)
+    engine = PrivacyEngine(accountant="prv")
+    model, opt, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(task.train_set, batch_size=batch),
+        target_epsilon=cfg.privacy.target_epsilon,
+        target_delta=delta,
+        epochs=cfg.training.epochs,
+        max_grad_norm=cfg.privacy.max_grad_norm,
+        noise_generator=torch.Generator().manual_seed(cfg.training.seed),
+    )
+    best = (-math.inf, None)
+    for _ in range(cfg.training.epochs):
+        model.train()
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        val = task.evaluate(model._module, "val", torch.device("cpu"), 512)
+        if not (val["auroc"] <= best[0]):
+            best = (val["auroc"], copy.deepcopy(model._module.state_dict()))
+    model._module.load_state_dict(best[1])
+    metrics = {
+        s: task.evaluate(model._module, s, torch.device("cpu"), 512) for s in ("val", "test")
+    }
+    return {
+        "metrics": metrics,
+        "epsilon": engine.get_epsilon(delta),
+        "noise_multiplier": opt.noise_multiplier,
+    }
+
+
+def _run(cfg_dict: dict[str, Any], method: str) -> dict[str, Any]:
+    if METHODS[method]["method"] == "opacus":
+        return _run_opacus(cfg_dict)
+    res = train(config_from_dict(cfg_dict))
+    rep = res.report
+    return {
+        "metrics": {s: res.metrics[s] for s in ("val", "test")},
+        "epsilon": res.epsilon,
+        "noise_multiplier": rep["privacy"]["noise_multiplier"],
+        "diagnostics": rep.get("diagnostics"),
+    }
+
+
+def _short(m: dict[str, Any]) -> dict[str, float]:
+    return {k: m[k] for k in ("accuracy", "balanced_accuracy", "auroc")}
+
+
+def _environment() -> dict[str, Any]:
+    from dpkfc_med.report import collect_environment
+
+    env = collect_environment(ROOT)
+    env["torch_threads"] = torch.get_num_threads()
+    env["platform"] = platform.platform()
+    return env
+
+
+def _load(path: Path) -> dict[str, Any]:
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"runs": []}
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def summarize(data: dict[str, Any]) -> str:
+    """Markdown table: mean +- std over evaluation seeds of test accuracy and AUROC."""
+    rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    chosen: dict[tuple[str, float], float] = {}
+    for r in data["runs"]:
+        if r["phase"] == "eval":
+            rows.setdefault((r["method"], r["eps"]), []).append(r)
+            chosen[(r["method"], r["eps"])] = r["lr"]
+    lines = [
+        f"## {data.get('suite')} (test split; mean +- std over seeds {data.get('seeds')})",
+        "",
+        "| method | epsilon | lr (chosen on val) | test accuracy | test balanced acc. | test AUROC | eps spent | runs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(values: list[float]) -> str:
+        a = np.asarray(values, dtype=float)
+        return f"{a.mean():.3f} +- {a.std(ddof=1) if len(a) > 1 else 0:.3f}"
+
+    order = list(METHODS)
+    for (method, eps), runs in sorted(
+        rows.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))
+    ):
+        t = [r["test"] for r in runs]
+        spent = [r["epsilon"] for r in runs if r["epsilon"] is not None]
+        lines.append(
+            f"| {method} | {eps:g} | {chosen[(method, eps)]:g} | {fmt([x['accuracy'] for x in t])} | "
+            f"{fmt([x['balanced_accuracy'] for x in t])} | {fmt([x['auroc'] for x in t])} | "
+            f"{max(spent):.3f} | {len(runs)} |"
+            if spent
+            else f"| {method} | - | {chosen[(method, eps)]:g} | {fmt([x['accuracy'] for x in t])} | "
+            f"{fmt([x['balanced_accuracy'] for x in t])} | {fmt([x['auroc'] for x in t])} | - | {len(runs)} |"
+        )
+    lines += [
+        "",
+        "Tuning runs (seed 0, validation AUROC):",
+        "",
+        "| method | epsilon | lr | val AUROC | val acc |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["runs"]:
+        if r["phase"] == "tune":
+            lines.append(
+                f"| {r['method']} | {r['eps']:g} | {r['lr']:g} | {r['val']['auroc']:.3f} | {r['val']['accuracy']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--suite", default="pneumonia_cnn", choices=sorted(SUITES))
+    p.add_argument("--eps", default="1,8")
+    p.add_argument("--methods", default="nonprivate,opacus,dp-sgd,dp-kfc,dp-kfc-white")
+    p.add_argument("--lrs", default="0.05,0.2")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    suffix = "_quick" if args.quick else ""
+    out = args.out or ROOT / "benchmarks" / "results" / f"accuracy_{args.suite}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(os.environ.get("DPKFC_BENCH_RUNS", "/tmp/dpkfc_bench_runs")) / args.suite
+    data = _load(out)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    data.update(
+        {
+            "suite": args.suite,
+            "suite_config": SUITES[args.suite],
+            "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
+            "lrs": [float(x) for x in args.lrs.split(",")],
+            "seeds": seeds,
+            "tuning_seed": 0,
+            "quick": args.quick,
+            "environment": _environment(),
+        }
+    )
+    try:
+        data["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        data["git_commit"] = None
+    done = {(r["phase"], r["method"], r["eps"], r["lr"], r["seed"]) for r in data["runs"]}
+    methods = args.methods.split(",")
+    eps_list = [float(e) for e in args.eps.split(",")]
+    lrs = [float(x) for x in args.lrs.split(",")]
+    for eps in eps_list:
+        for method in methods:
+            e = None if method == "nonprivate" else eps
+            if method == "nonprivate" and eps != eps_list[0]:
+                continue
+            tune = []
+            for lr in lrs:
+                key = ("tune", method, e, lr, 0)
+                if key not in done:
+                    t0 = time.time()
+                    res = _run(
+                        _config(args.suite, method, eps, lr, 0, args.quick, runs_dir), method
+                    )
+                    data["runs"].append(
+                        {
+                            "phase": "tune",
+                            "method": method,
+                            "eps": e,
+                            "lr": lr,
+                            "seed": 0,
+                            "val": _short(res["metrics"]["val"]),
+                            "test": _short(res["metrics"]["test"]),
+                            "epsilon": res["epsilon"],
+                            "seconds": time.time() - t0,
+                        }
+                    )
+                    _save(out, data)
+                    print(
+                        f"tune {method} eps={e} lr={lr}: val auroc {res['metrics']['val']['auroc']:.3f}",
+                        flush=True,
+                    )
+                tune += [
+                    r
+                    for r in data["runs"]
+                    if (r["phase"], r["method"], r["eps"], r["lr"]) == ("tune", method, e, lr)
+                ]
+            best_lr = max(tune, key=lambda r: r["val"]["auroc"])["lr"]
+            for seed in seeds:
+                key = ("eval", method, e, best_lr, seed)
+                if key in done:
+                    continue
+                t0 = time.time()
+                res = _run(
+                    _config(args.suite, method, eps, best_lr, seed, args.quick, runs_dir), method
+                )
+                data["runs"].append(
+                    {
+                        "phase": "eval",
+                        "method": method,
+                        "eps": e,
+                        "lr": best_lr,
+                        "seed": seed,
+                        "val": _short(res["metrics"]["val"]),
+                        "test": _short(res["metrics"]["test"]),
+                        "epsilon": res["epsilon"],
+                        "noise_multiplier": res.get("noise_multiplier"),
+                        "diagnostics": res.get("diagnostics"),
+                        "seconds": time.time() - t0,
+                    }
+                )
+                _save(out, data)
+                print(
+                    f"eval {method} eps={e} seed={seed}: test acc {res['metrics']['test']['accuracy']:.3f} "
+                    f"auroc {res['metrics']['test']['auroc']:.3f}",
+                    flush=True,
+                )
+            out.with_suffix(".md").write_text(summarize(data))
+    out.with_suffix(".md").write_text(summarize(data))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
