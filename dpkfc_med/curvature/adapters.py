@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +90,7 @@ def adapter_for(module: nn.Module) -> LayerAdapter | None:
     return _ADAPTERS.get(type(module))
 
 
-def _has_bias(module: nn.Module) -> bool:
+def _has_bias(module: Any) -> bool:
     return getattr(module, "bias", None) is not None and module.bias.requires_grad  # type: ignore[union-attr]
 
 
@@ -112,7 +113,7 @@ def _split_bias(
     return out
 
 
-def _join_bias(module: nn.Module, grads: dict[nn.Parameter, Tensor], w: Tensor) -> Tensor:
+def _join_bias(module: Any, grads: dict[nn.Parameter, Tensor], w: Tensor) -> Tensor:
     """Inverse of :func:`_split_bias`: ``w`` is ``[B, G, n_g, n_a]`` without the bias column."""
     if _has_bias(module):
         bias = grads[module.bias].reshape(w.shape[0], w.shape[1], w.shape[2], 1)  # type: ignore[index]
@@ -123,25 +124,25 @@ def _join_bias(module: nn.Module, grads: dict[nn.Parameter, Tensor], w: Tensor) 
 # --------------------------------------------------------------------------------------- Linear
 
 
-def _linear_activations(module: nn.Module, x: Tensor) -> Tensor:
+def _linear_activations(module: Any, x: Tensor) -> Tensor:
     a = x.reshape(x.shape[0], -1, x.shape[-1]).unsqueeze(2)
     return _append_one(a) if _has_bias(module) else a
 
 
-def _linear_errors(module: nn.Module, dy: Tensor) -> Tensor:
+def _linear_errors(module: Any, dy: Tensor) -> Tensor:
     return dy.reshape(dy.shape[0], -1, dy.shape[-1]).unsqueeze(2)
 
 
-def _linear_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Tensor]:
+def _linear_to_params(module: Any, grads: Tensor) -> dict[nn.Parameter, Tensor]:
     return _split_bias(module, grads, lambda g: g[:, 0])
 
 
-def _linear_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> Tensor:
+def _linear_from_params(module: Any, grads: dict[nn.Parameter, Tensor]) -> Tensor:
     w = grads[module.weight].unsqueeze(1)  # type: ignore[index]
     return _join_bias(module, grads, w)
 
 
-def _linear_dims(module: nn.Module) -> tuple[int, int, int]:
+def _linear_dims(module: Any) -> tuple[int, int, int]:
     return 1, module.in_features + int(_has_bias(module)), module.out_features  # type: ignore[operator]
 
 
@@ -185,7 +186,7 @@ def unfold_nd(
     return x.reshape(b, num_pos, c, math.prod(kernel_size))
 
 
-def _conv_padded_input(module: nn.Module, x: Tensor) -> Tensor:
+def _conv_padded_input(module: Any, x: Tensor) -> Tensor:
     # `_reversed_padding_repeated_twice` holds the exact (possibly asymmetric, for "same")
     # padding the layer applies, in F.pad order, for every padding mode.
     pad = module._reversed_padding_repeated_twice  # type: ignore[union-attr]
@@ -195,7 +196,7 @@ def _conv_padded_input(module: nn.Module, x: Tensor) -> Tensor:
     return x
 
 
-def _conv_activations(module: nn.Module, x: Tensor) -> Tensor:
+def _conv_activations(module: Any, x: Tensor) -> Tensor:
     x = _conv_padded_input(module, x)
     patches = unfold_nd(x, module.kernel_size, module.stride, module.dilation)  # type: ignore[arg-type]
     b, num_pos, c, k = patches.shape
@@ -204,19 +205,19 @@ def _conv_activations(module: nn.Module, x: Tensor) -> Tensor:
     return _append_one(a) if _has_bias(module) else a
 
 
-def _conv_errors(module: nn.Module, dy: Tensor) -> Tensor:
+def _conv_errors(module: Any, dy: Tensor) -> Tensor:
     b, c = dy.shape[:2]
     g = module.groups  # type: ignore[union-attr]
     d = dy.reshape(b, c, -1).transpose(1, 2)  # [B, T, C_out]
     return d.reshape(b, d.shape[1], g, c // g)
 
 
-def _conv_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Tensor]:
+def _conv_to_params(module: Any, grads: Tensor) -> dict[nn.Parameter, Tensor]:
     shape = module.weight.shape  # type: ignore[union-attr]
     return _split_bias(module, grads, lambda w: w.reshape(w.shape[0], *shape))
 
 
-def _conv_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> Tensor:
+def _conv_from_params(module: Any, grads: dict[nn.Parameter, Tensor]) -> Tensor:
     g = module.groups  # type: ignore[union-attr]
     w = grads[module.weight]  # type: ignore[index]
     b, c_out = w.shape[:2]
@@ -224,7 +225,7 @@ def _conv_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> T
     return _join_bias(module, grads, w)
 
 
-def _conv_dims(module: nn.Module) -> tuple[int, int, int]:
+def _conv_dims(module: Any) -> tuple[int, int, int]:
     w = module.weight  # type: ignore[union-attr]
     g = module.groups  # type: ignore[union-attr]
     n_a = math.prod(w.shape[1:]) + int(_has_bias(module))
@@ -241,7 +242,7 @@ CONV = register_adapter(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
 # --------------------------------------------------------------------------- ConvTransposeNd
 
 
-def _convt_activations(module: nn.Module, x: Tensor) -> Tensor:
+def _convt_activations(module: Any, x: Tensor) -> Tensor:
     n = x.dim() - 2
     stride, dil = module.stride, module.dilation  # type: ignore[union-attr]
     k, pad, opad = module.kernel_size, module.padding, module.output_padding  # type: ignore[union-attr]
@@ -263,7 +264,7 @@ def _convt_activations(module: nn.Module, x: Tensor) -> Tensor:
     return _append_one(a) if _has_bias(module) else a
 
 
-def _convt_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Tensor]:
+def _convt_to_params(module: Any, grads: Tensor) -> dict[nn.Parameter, Tensor]:
     w_shape = module.weight.shape  # [C_in, C_out/g, *k]
     g = module.groups  # type: ignore[union-attr]
     n = len(w_shape) - 2
@@ -278,7 +279,7 @@ def _convt_to_params(module: nn.Module, grads: Tensor) -> dict[nn.Parameter, Ten
     return _split_bias(module, grads, weight)
 
 
-def _convt_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> Tensor:
+def _convt_from_params(module: Any, grads: dict[nn.Parameter, Tensor]) -> Tensor:
     w = grads[module.weight]  # type: ignore[index]
     g = module.groups  # type: ignore[union-attr]
     b, c_in, c_out_g = w.shape[:3]
@@ -289,7 +290,7 @@ def _convt_from_params(module: nn.Module, grads: dict[nn.Parameter, Tensor]) -> 
     return _join_bias(module, grads, w)
 
 
-def _convt_dims(module: nn.Module) -> tuple[int, int, int]:
+def _convt_dims(module: Any) -> tuple[int, int, int]:
     w = module.weight  # type: ignore[union-attr]
     g = module.groups  # type: ignore[union-attr]
     n_a = (w.shape[0] // g) * math.prod(w.shape[2:]) + int(_has_bias(module))

@@ -391,7 +391,7 @@ class KroneckerPreconditioner:
             u_a = u_g = None
             if name in factors:
                 f = factors[name]
-                ref = module.weight
+                ref: Tensor = module.weight  # type: ignore[assignment]
                 u_a = inverse_sqrt(f.a, cfg.damping_a).to(ref.dtype)
                 spectra[name] = {"A": _spectrum_stats(f.a)}
                 if cfg.factors is FactorMode.AG:

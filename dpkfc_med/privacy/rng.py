@@ -43,7 +43,8 @@ def secure_normal(std: float, reference: Tensor) -> Tensor:
     """Gaussian noise shaped like ``reference`` from the OS CSPRNG, float-attack hardened."""
     if std == 0:
         return torch.zeros_like(reference)
-    total = sum(_secure_standard_normal(tuple(reference.shape)) for _ in range(4))
+    shape = tuple(reference.shape)
+    total = torch.stack([_secure_standard_normal(shape) for _ in range(4)]).sum(0)
     noise = std * total / 2  # sum of 4 N(0, s^2) / 2 ~ N(0, s^2)
     return noise.to(device=reference.device, dtype=reference.dtype)
 

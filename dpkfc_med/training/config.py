@@ -285,7 +285,7 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
             )
             continue
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value, path, problems)
         else:
             kwargs[key] = _coerce(path, value, hint, problems)
