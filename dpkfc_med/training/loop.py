@@ -603,7 +603,7 @@ def build_report(
         "neighbouring_relation": f"add or remove one {task.privacy_unit}",
         "guarantee": "NO PRIVACY GUARANTEE: non-private training.",
         "hyperparameter_tuning": TUNING,
-        "ledger": None,
+        "ledger": {"events": [], "steps": 0, "note": "non-private run: no mechanism was executed"},
     }
     pre = None
     if engine is not None and plan is not None and engine.ledger is not None:

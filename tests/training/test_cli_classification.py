@@ -205,3 +205,12 @@ def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, caps
     assert code == 2
     assert __import__("re").search(pattern, err), err
     assert not (out / "run.json").exists() and not (out / "privacy_report.json").exists()
+
+
+def test_nonprivate_run_reports_no_guarantee(tmp_path):
+    out = tmp_path / "np"
+    cfg = _config(tmp_path, method="nonprivate", training={"epochs": 1})
+    assert main(["train", str(cfg), "--out", str(out)]) == 0
+    rep = _report(out)
+    assert rep["privacy"]["private"] is False and rep["privacy"]["epsilon"] is None
+    assert "NO PRIVACY GUARANTEE" in (out / "privacy_report.md").read_text()
