@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -176,7 +177,9 @@ def _run_opacus(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 def _run(cfg_dict: dict[str, Any], method: str) -> dict[str, Any]:
     if METHODS[method]["method"] == "opacus":
         return _run_opacus(cfg_dict)
-    res = train(config_from_dict(cfg_dict))
+    cfg = config_from_dict(cfg_dict)
+    shutil.rmtree(cfg.run_dir(), ignore_errors=True)  # a crashed earlier attempt of this run
+    res = train(cfg)
     rep = res.report
     return {
         "metrics": {s: res.metrics[s] for s in ("val", "test")},

@@ -214,3 +214,18 @@ def test_nonprivate_run_reports_no_guarantee(tmp_path):
     rep = _report(out)
     assert rep["privacy"]["private"] is False and rep["privacy"]["epsilon"] is None
     assert "NO PRIVACY GUARANTEE" in (out / "privacy_report.md").read_text()
+
+
+def test_public_proxy_is_labelled_as_external_data(tmp_path):
+    out = tmp_path / "pub"
+    cfg = _config(
+        tmp_path,
+        method="dp-kfc-public",
+        probes={"public_data": str(BALANCED), "num_probes": 16},
+        training={"epochs": 1},
+    )
+    assert main(["train", str(cfg), "--out", str(out)]) == 0
+    pre = _report(out)["preconditioner"]
+    assert pre["uses_private_data"] is False
+    assert pre["external_data"]["path"].endswith("pneumoniamnist_balanced.npz")
+    assert len(pre["external_data"]["sha256"]) == 64
