@@ -103,13 +103,53 @@ def _hooks(layers: dict[str, nn.Module]) -> Iterator[dict[str, list[tuple[Tensor
             h.remove()
 
 
-def capture_layers(
-    model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: LossFn, layers: dict[str, nn.Module]
-) -> list[CapturedLayer]:
-    """Run one probe chunk and return every covered layer's ``a`` and per-sample ``delta``.
+def capture_raw(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    loss_fn: LossFn,
+    modules: dict[str, nn.Module],
+    *,
+    need_errors: bool = True,
+) -> dict[str, list[tuple[Tensor, Tensor | None]]]:
+    """Inputs and output errors ``(x, dy)`` of ``modules`` on one probe chunk.
 
-    Uses ``torch.autograd.grad`` with respect to the layer outputs only, so no parameter's
-    ``.grad`` (or Opacus ``grad_sample``) is read or written.
+    Uses ``torch.autograd.grad`` with respect to the module outputs only, so no parameter's
+    ``.grad`` (or Opacus ``grad_sample``) is read or written. Without ``need_errors`` only a
+    forward pass runs (``dy`` is ``None``): enough for the ``A`` factors.
+    """
+    if not need_errors:
+        with _hooks(modules) as store, torch.no_grad():
+            model(inputs)
+        return {n: [(x, None) for x, _ in store[n]] for n in modules}
+    with _hooks(modules) as store, torch.enable_grad():
+        outputs = model(inputs)
+        loss = loss_fn(outputs, targets).sum()
+        outs = [o for n in modules for (_, o) in store[n]]
+        errs = torch.autograd.grad(loss, outs, allow_unused=True) if outs else ()
+    result: dict[str, list[tuple[Tensor, Tensor | None]]] = {}
+    idx = 0
+    for name in modules:
+        pairs: list[tuple[Tensor, Tensor | None]] = []
+        for x, out in store[name]:
+            dy = errs[idx]
+            idx += 1
+            # A module whose output does not reach the loss has zero error.
+            pairs.append((x, torch.zeros_like(out) if dy is None else dy.detach()))
+        result[name] = pairs
+    return result
+
+
+def capture_layers(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    loss_fn: LossFn,
+    layers: dict[str, nn.Module],
+    *,
+    need_errors: bool = True,
+) -> list[CapturedLayer]:
+    """Every covered layer's ``a`` and per-sample ``delta`` (adapter layout) on one chunk.
 
     Args:
         model: the network (plain module; Opacus hooks must be disabled by the caller).
@@ -117,33 +157,17 @@ def capture_layers(
         targets: probe targets.
         loss_fn: per-sample loss ``[M]``; the sum over samples is differentiated.
         layers: covered layers by name.
+        need_errors: run the backward pass (else ``delta`` is an empty tensor).
     """
-    with _hooks(layers) as store, torch.enable_grad():
-        outputs = model(inputs)
-        loss = loss_fn(outputs, targets).sum()
-        outs = [o for n in layers for (_, o) in store[n]]
-        if not outs:
-            return []
-        errs = torch.autograd.grad(loss, outs, allow_unused=True)
+    raw = capture_raw(model, inputs, targets, loss_fn, layers, need_errors=need_errors)
     captured: list[CapturedLayer] = []
-    idx = 0
     for name, module in layers.items():
         adapter = adapter_for(module)
         assert adapter is not None  # guaranteed by covered_layers
-        for x, _ in store[name]:
-            dy = errs[idx]
-            idx += 1
-            if dy is None:  # layer output does not reach the loss
-                dy = torch.zeros_like(outs[idx - 1])
-            captured.append(
-                CapturedLayer(
-                    name,
-                    module,
-                    adapter,
-                    adapter.activations(module, x),
-                    adapter.errors(module, dy),
-                )
-            )
+        for x, dy in raw[name]:
+            a = adapter.activations(module, x)
+            d = adapter.errors(module, dy) if dy is not None else a.new_zeros(0)
+            captured.append(CapturedLayer(name, module, adapter, a, d))
     return captured
 
 
@@ -157,18 +181,19 @@ def _accumulate(
 ) -> None:
     if reduction is FactorReduction.REDUCE:
         a = a.mean(dim=1, keepdim=True)
-        d = d.sum(dim=1, keepdim=True)
+        d = d.sum(dim=1, keepdim=True) if d.numel() else d
     t = a.shape[1]
     a_sum = (
         torch.einsum("mtgi,mtgi->gi", a, a)
         if a.shape[-1] > max_dim
         else torch.einsum("mtgi,mtgj->gij", a, a)
     ) / t
-    g_sum = (
-        torch.einsum("mtgi,mtgi->gi", d, d)
-        if d.shape[-1] > max_dim
-        else torch.einsum("mtgi,mtgj->gij", d, d)
-    )
+    if d.numel() == 0:  # A-only estimation: no backward pass was run
+        g_sum = a.new_zeros(0)
+    elif d.shape[-1] > max_dim:
+        g_sum = torch.einsum("mtgi,mtgi->gi", d, d)
+    else:
+        g_sum = torch.einsum("mtgi,mtgj->gij", d, d)
     if key in acc:
         acc[key][0] += a_sum
         acc[key][1] += g_sum
@@ -187,6 +212,7 @@ def estimate_factors(
     chunk_size: int = 64,
     max_factor_dim: int = 4096,
     dtype: torch.dtype = torch.float64,
+    need_g: bool = True,
 ) -> dict[str, KroneckerFactors]:
     """Estimate ``A`` and ``G`` for every covered layer from probes.
 
@@ -202,6 +228,8 @@ def estimate_factors(
             Conv3d fan-in (e.g. 256 channels x 27 taps = 6912) never allocates a dense
             ``n x n`` matrix or an ``O(n^3)`` eigendecomposition.
         dtype: accumulation dtype of the returned factors.
+        need_g: estimate ``G`` (a backward pass); without it only a forward pass runs and
+            ``g`` is an empty tensor (A-only preconditioning).
 
     Returns:
         Factors by layer name. A module called several times per forward (weight sharing)
@@ -226,7 +254,7 @@ def estimate_factors(
         raise ValueError("estimate_factors: the probe batch is empty; ask for num_probes >= 1")
     for start in range(0, m_total, chunk_size):
         x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
-        for cap in capture_layers(model, x, y, loss_fn, layers):
+        for cap in capture_layers(model, x, y, loss_fn, layers, need_errors=need_g):
             _accumulate(
                 acc, cap.name, cap.a.to(dtype), cap.delta.to(dtype), reduction, max_factor_dim
             )

@@ -39,6 +39,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from opacus.grad_sample import GradSampleModule
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import LayerAdapter, adapter_for
@@ -46,11 +47,15 @@ from dpkfc_med.curvature.factors import (
     FactorReduction,
     KroneckerFactors,
     LossFn,
-    capture_layers,
+    capture_raw,
     covered_layers,
     estimate_factors,
 )
 from dpkfc_med.utils import check_choice
+
+# Opacus' per-layer per-sample gradient formulas (norm layers, embeddings, ...), reused for the
+# fallback parameters during calibration.
+_OPACUS_SAMPLERS = dict(GradSampleModule.GRAD_SAMPLERS)
 
 __all__ = [
     "FactorMode",
@@ -159,16 +164,21 @@ def inverse_sqrt(factor: Tensor, damping: float) -> Tensor:
     Eigenvalues are clamped at 0 before damping (round-off can make them slightly negative).
     An all-zero factor (a layer the probe loss does not reach) maps to the identity.
     """
+    return inverse_sqrt_with_spectrum(factor, damping)[0]
+
+
+def inverse_sqrt_with_spectrum(factor: Tensor, damping: float) -> tuple[Tensor, Tensor]:
+    """:func:`inverse_sqrt` and the factor's eigenvalues ``[G, n]`` (one decomposition)."""
     if factor.dim() == 2:
         mean = factor.mean(dim=-1, keepdim=True)
         lam = factor.clamp_min(0) + damping * mean
         out = lam.rsqrt()
-        return torch.where(mean > 0, out, torch.ones_like(out))
+        return torch.where(mean > 0, out, torch.ones_like(out)), factor
     evals, evecs = torch.linalg.eigh(factor)
     mean = evals.clamp_min(0).mean(dim=-1, keepdim=True)
     lam = evals.clamp_min(0) + damping * mean
     inv = torch.where(mean > 0, lam.rsqrt(), torch.ones_like(lam))
-    return (evecs * inv.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+    return (evecs * inv.unsqueeze(-2)) @ evecs.transpose(-1, -2), evals
 
 
 def _apply_right(x: Tensor, u: Tensor | None) -> Tensor:
@@ -287,13 +297,13 @@ def _fallback_params(
         for p_name, p in module.named_parameters(recurse=False):
             if p.requires_grad and id(p) not in owned:
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
+                p._dpkfc_calib_owner = module  # type: ignore[attr-defined]
                 out.append((full, mod_name, p))
     return out
 
 
-def _spectrum_stats(factor: Tensor) -> dict[str, float]:
-    ev = factor.flatten() if factor.dim() == 2 else torch.linalg.eigvalsh(factor).flatten()
-    ev = ev.clamp_min(0)
+def _spectrum_stats(evals: Tensor) -> dict[str, float]:
+    ev = evals.flatten().clamp_min(0)
     total = float(ev.sum())
     eff_rank = total**2 / float((ev**2).sum()) if total > 0 else 0.0
     return {
@@ -383,6 +393,7 @@ class KroneckerPreconditioner:
                 chunk_size=cfg.chunk_size,
                 max_factor_dim=cfg.max_factor_dim,
                 dtype=eig_dtype,
+                need_g=cfg.factors is FactorMode.AG,
             )
         t_factors = time.perf_counter() - t0
         for name, module in covered.items():
@@ -392,11 +403,13 @@ class KroneckerPreconditioner:
             if name in factors:
                 f = factors[name]
                 ref: Tensor = module.weight  # type: ignore[assignment]
-                u_a = inverse_sqrt(f.a, cfg.damping_a).to(ref.dtype)
-                spectra[name] = {"A": _spectrum_stats(f.a)}
+                u_a, ev_a = inverse_sqrt_with_spectrum(f.a, cfg.damping_a)
+                u_a = u_a.to(ref.dtype)
+                spectra[name] = {"A": _spectrum_stats(ev_a)}
                 if cfg.factors is FactorMode.AG:
-                    u_g = inverse_sqrt(f.g, cfg.damping_g).to(ref.dtype)
-                    spectra[name]["G"] = _spectrum_stats(f.g)
+                    u_g, ev_g = inverse_sqrt_with_spectrum(f.g, cfg.damping_g)
+                    u_g = u_g.to(ref.dtype)
+                    spectra[name]["G"] = _spectrum_stats(ev_g)
             blocks[name] = KroneckerBlock(name, module, adapter, u_a, u_g)
         t_inv = time.perf_counter() - t0 - t_factors
         fallbacks = {n: FallbackBlock(n, p, mn) for n, mn, p in _fallback_params(model, covered)}
@@ -420,29 +433,50 @@ class KroneckerPreconditioner:
         x, y = inputs[:n], targets[:n]
         raw_sq = torch.zeros(n, dtype=torch.float64)
         unit_sq: dict[str, Tensor] = {}  # transformed (scale 1) squared norms per unit
-        for cap in capture_layers(
-            model, x, y, loss_fn, {b.name: b.module for b in self.blocks.values()}
-        ):
-            block = self.blocks[cap.name]
-            raw = torch.einsum("btgo,btgi->bgoi", cap.delta, cap.a)
-            saved, block.scale = block.scale, 1.0
-            trans = block.transform_grads(raw)
-            block.scale = saved
-            raw_sq += raw.pow(2).flatten(1).sum(1).double().cpu()
-            sq = trans.pow(2).flatten(1).sum(1).double().cpu()
-            unit_sq[cap.name] = unit_sq.get(cap.name, 0) + sq
+        covered = {b.name: b.module for b in self.blocks.values()}
+        owners = {
+            fb.module_name: fb.param._dpkfc_calib_owner  # type: ignore[attr-defined]
+            for fb in self.fallbacks.values()
+            if getattr(fb.param, "_dpkfc_calib_owner", None) is not None
+        }
+        owners = {
+            k: m for k, m in owners.items() if type(m) in _OPACUS_SAMPLERS and k not in covered
+        }
+        raw_pairs = capture_raw(model, x, y, loss_fn, {**covered, **owners})
+        for name, module in covered.items():
+            block = self.blocks[name]
+            for xa, dy in raw_pairs[name]:
+                assert dy is not None
+                a, d = block.adapter.activations(module, xa), block.adapter.errors(module, dy)
+                raw = torch.einsum("btgo,btgi->bgoi", d, a)
+                saved, block.scale = block.scale, 1.0
+                trans = block.transform_grads(raw)
+                block.scale = saved
+                raw_sq += raw.pow(2).flatten(1).sum(1).double().cpu()
+                sq = trans.pow(2).flatten(1).sum(1).double().cpu()
+                unit_sq[name] = unit_sq.get(name, 0) + sq
         if self.fallbacks:
-            params = [fb.param for fb in self.fallbacks.values()]
-            per_sample = [
-                torch.autograd.grad(
-                    loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum(), params, allow_unused=True
-                )
-                for i in range(n)
-            ]
-            for j, fb in enumerate(self.fallbacks.values()):
-                gs = torch.stack(
-                    [g[j] if g[j] is not None else torch.zeros_like(fb.param) for g in per_sample]
-                )
+            # Per-sample gradients of norm affines etc. from the same pass through Opacus'
+            # per-layer formulas; anything else (raw parameters) by one backward per sample.
+            got: dict[int, Tensor] = {}
+            for name, module in owners.items():
+                for xa, dy in raw_pairs[name]:
+                    for p, g in _OPACUS_SAMPLERS[type(module)](module, [xa], dy).items():
+                        got[id(p)] = got[id(p)] + g if id(p) in got else g
+            rest = [fb.param for fb in self.fallbacks.values() if id(fb.param) not in got]
+            if rest:
+                loop = [
+                    torch.autograd.grad(
+                        loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum(), rest, allow_unused=True
+                    )
+                    for i in range(n)
+                ]
+                for j, p in enumerate(rest):
+                    got[id(p)] = torch.stack(
+                        [g[j] if g[j] is not None else torch.zeros_like(p) for g in loop]
+                    )
+            for fb in self.fallbacks.values():
+                gs = got[id(fb.param)].detach()
                 if cfg.fallback is FallbackRule.DIAGONAL:
                     second = gs.pow(2).mean(0)
                     fb.diag = inverse_sqrt(
