@@ -235,7 +235,7 @@ def summarize(data: dict[str, Any]) -> str:
 
     order = list(METHODS)
     for (method, eps), runs in sorted(
-        rows.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))
+        rows.items(), key=lambda kv: (kv[0][1] or 0.0, order.index(kv[0][0]))
     ):
         t = [r["test"] for r in runs]
         spent = [r["epsilon"] for r in runs if r["epsilon"] is not None]
@@ -256,8 +256,10 @@ def summarize(data: dict[str, Any]) -> str:
     ]
     for r in data["runs"]:
         if r["phase"] == "tune":
+            eps_txt = "-" if r["eps"] is None else f"{r['eps']:g}"
             lines.append(
-                f"| {r['method']} | {r['eps']:g} | {r['lr']:g} | {r['val']['auroc']:.3f} | {r['val']['accuracy']:.3f} |"
+                f"| {r['method']} | {eps_txt} | {r['lr']:g} | {r['val']['auroc']:.3f} | "
+                f"{r['val']['accuracy']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
