@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 
 from dpkfc_med.training.config import config_from_dict  # noqa: E402
 from dpkfc_med.training.loop import train  # noqa: E402
-from dpkfc_med.training.metrics import classification_metrics  # noqa: E402
 from dpkfc_med.training.tasks import build_task  # noqa: E402
 
 SUITES: dict[str, dict[str, Any]] = {

@@ -174,10 +174,18 @@ def inverse_sqrt_with_spectrum(factor: Tensor, damping: float) -> tuple[Tensor, 
         lam = factor.clamp_min(0) + damping * mean
         out = lam.rsqrt()
         return torch.where(mean > 0, out, torch.ones_like(out)), factor
-    evals, evecs = torch.linalg.eigh(factor)
-    mean = evals.clamp_min(0).mean(dim=-1, keepdim=True)
-    lam = evals.clamp_min(0) + damping * mean
-    inv = torch.where(mean > 0, lam.rsqrt(), torch.ones_like(lam))
+    # Decompose the damped matrix: a factor with many exactly-zero rows (e.g. conv taps that
+    # only ever see padding) can make LAPACK's eigh fail to converge; the shift fixes that and
+    # changes nothing else (same eigenvectors, eigenvalues shifted by the damping).
+    n = factor.shape[-1]
+    mean = (torch.diagonal(factor, dim1=-2, dim2=-1).sum(-1) / n).clamp_min(0)  # = mean eig
+    shift = (damping * mean)[:, None, None] * torch.eye(n, dtype=factor.dtype, device=factor.device)
+    lam, evecs = torch.linalg.eigh(factor + shift)
+    evals = lam - damping * mean[:, None]
+    # eigenvalues of the undamped factor are clamped at 0, i.e. lam at damping * mean
+    lam = torch.maximum(lam, damping * mean[:, None])
+    ok = (mean > 0)[:, None]
+    inv = torch.where(ok, lam.clamp_min(torch.finfo(lam.dtype).tiny).rsqrt(), torch.ones_like(lam))
     return (evecs * inv.unsqueeze(-2)) @ evecs.transpose(-1, -2), evals
 
 

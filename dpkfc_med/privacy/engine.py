@@ -240,6 +240,11 @@ class PrivacyEngine:
         )
         opt.attach_step_hook(self._record_step)
         self.module, self.optimizer = gsm, opt
+        ref = next(gsm.parameters(), None)
+        if self.seed is not None and ref is not None and ref.device.type != "cpu":
+            # Opacus draws the noise on the parameters' device with this generator.
+            self.noise_generator = torch.Generator(device=ref.device).manual_seed(self.seed)
+            opt.generator = self.noise_generator
         for name, m in gsm._module.named_modules():
             for p_name, p in m.named_parameters(recurse=False):
                 p._dpkfc_owner = m  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from opacus.grad_sample import GradSampleModule
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for, supported_layer_types
@@ -37,15 +38,15 @@ def _preconditioned_sampler(
 ) -> dict[nn.Parameter, Tensor]:
     block: KroneckerBlock | None = getattr(module, "_dpkfc_block", None)
     adapter = adapter_for(module)
-    if block is None and type(module) in _OPACUS_SAMPLERS:
-        return _OPACUS_SAMPLERS[type(module)](module, activations, backprops)
+    if block is None:
+        if type(module) in _OPACUS_SAMPLERS:
+            return _OPACUS_SAMPLERS[type(module)](module, activations, backprops)
+        # No Opacus formula (ConvTranspose): Opacus' functorch path (prepared in add_hooks) is
+        # cheaper than unfolding the zero-inserted input when no transform is needed.
+        return ft_compute_per_sample_gradient(module, activations, backprops)
     assert adapter is not None
     a = adapter.activations(module, activations[0])
     d = adapter.errors(module, backprops)
-    if block is None:  # identity (e.g. ConvTranspose, which Opacus has no sampler for)
-        grads = torch.einsum("btgo,btgi->bgoi", d, a)
-        module._dpkfc_raw_sq = grads[:RAW_NORM_SAMPLES].pow(2).flatten(1).sum(1)  # type: ignore[assignment]
-        return adapter.to_params(module, grads)
     grads, raw = block.per_sample_grads(a, d)
     if raw is None:
         m = RAW_NORM_SAMPLES
@@ -61,6 +62,18 @@ class PreconditionedGradSampleModule(GradSampleModule):
         **_OPACUS_SAMPLERS,
         **{t: _preconditioned_sampler for t in supported_layer_types()},
     }
+
+    def add_hooks(self, *args: Any, **kwargs: Any) -> None:
+        """Prepare functorch for covered types Opacus has no formula for, then add hooks.
+
+        Preparation copies the layer, so it must happen before hooks are registered (as
+        Opacus does for the layers it sends to functorch).
+        """
+        for m in self._module.modules():
+            if type(m) in self.GRAD_SAMPLERS and type(m) not in _OPACUS_SAMPLERS:
+                if any(p.requires_grad for p in m.parameters(recurse=False)):
+                    prepare_layer(m)
+        super().add_hooks(*args, **kwargs)
 
     def disable_hooks(self) -> None:
         """Stop capturing (used during probe passes, which must not touch ``grad_sample``)."""

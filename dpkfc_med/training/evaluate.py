@@ -28,10 +28,16 @@ def evaluate_run(
         ConfigError: the run directory is incomplete or the data does not match the task.
     """
     run = Path(run_dir)
-    problems = [f"{run / n}: missing" for n in ("config.yaml", "model.pt") if not (run / n).is_file()]
+    problems = [
+        f"{run / n}: missing" for n in ("config.yaml", "model.pt") if not (run / n).is_file()
+    ]
     if problems:
-        raise ConfigError(problems + ["evaluate needs a finished run directory (dpkfc-med train ...)"], str(run))
-    cfg = config_from_dict(yaml.safe_load((run / "config.yaml").read_text()), str(run / "config.yaml"))
+        raise ConfigError(
+            problems + ["evaluate needs a finished run directory (dpkfc-med train ...)"], str(run)
+        )
+    cfg = config_from_dict(
+        yaml.safe_load((run / "config.yaml").read_text()), str(run / "config.yaml")
+    )
     cfg.data.max_train = None
     cfg.data.max_eval = None
     saved = torch.load(run / "model.pt", map_location="cpu", weights_only=False)
@@ -51,9 +57,18 @@ def evaluate_run(
             f"{list(task.spatial_shape)}"
         )
     if mismatch:
-        raise ConfigError(mismatch + ["pass a dataset of the same task (--data)"], str(data or cfg.data.path))
+        raise ConfigError(
+            mismatch + ["pass a dataset of the same task (--data)"], str(data or cfg.data.path)
+        )
+    note = None
+    if task.extra.get("own_data") is False and "all" in task.extra.get("splits", {}):
+        # Another folder of the same task has no train/val/test meaning for this run: all cases.
+        note = f"--data is not the run's data: evaluated on all its cases (--split {split} unused)"
+        split = "all"
     if split not in task.extra.get("splits", {}):
-        raise ConfigError([f"--split {split}: the data has splits {list(task.extra.get('splits', {}))}"])
+        raise ConfigError(
+            [f"--split {split}: the data has splits {list(task.extra.get('splits', {}))}"]
+        )
     dev = torch.device(device)
     model, _ = _build_model(cfg, task)
     model.load_state_dict(saved["model"])
@@ -64,6 +79,7 @@ def evaluate_run(
         "data": task.data_record,
         "split": split,
         "selected_epoch": saved.get("selected_epoch"),
+        **({"note": note} if note else {}),
         **metrics,
     }
     stem = Path(task.data_record["path"]).stem

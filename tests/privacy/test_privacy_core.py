@@ -318,3 +318,44 @@ def test_fallback_parameters_stay_inside_clipped_norm(float64):
     total = torch.cat([p.summed_grad.flatten() for p in popt.params])
     assert total.norm() <= 16 * 1.0 + 1e-9
     assert any(g.abs().sum() > 0 for g in grads[:1])
+
+
+def test_dp_sgd_conv_transpose_matches_functorch_and_dp_kfc_path(float64):
+    """ConvTranspose: DP-SGD uses Opacus' functorch path; identity DP-KFC must agree with it."""
+    torch.manual_seed(8)
+
+    def net():
+        return nn.Sequential(
+            nn.Conv2d(1, 2, 3, stride=2, padding=1),
+            nn.Tanh(),
+            nn.ConvTranspose2d(2, 2, 2, stride=2),
+            nn.Flatten(),
+            nn.Linear(2 * 8 * 8, 3),
+        )
+
+    base = net()
+    x, y = _data(24)
+    grads = []
+    for method, kw in (
+        ("dp-sgd", {}),
+        ("dp-kfc", {"preconditioner": PreconditionerConfig(factors="identity", scaling="none")}),
+    ):
+        model = copy.deepcopy(base)
+        _, (pm, popt, _) = _engine(method, model, x, y, loss_reduction="sum", **kw)
+        popt.zero_grad()
+        F.cross_entropy(pm(x[:6]), y[:6], reduction="sum").backward()
+        grads.append([p.grad_sample.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_singular_factor_inverse_root():
+    """Factors with many exactly-zero rows (padding-only conv taps) must not break eigh."""
+    from dpkfc_med.curvature.preconditioner import inverse_sqrt
+
+    f = torch.zeros(1, 50, 50, dtype=torch.float64)
+    v = torch.randn(5, 3, dtype=torch.float64)
+    f[0, :5, :5] = v @ v.T
+    u = inverse_sqrt(f, 0.1)
+    mean = torch.diagonal(f[0]).mean()
+    torch.testing.assert_close(torch.linalg.inv(u[0] @ u[0]), f[0] + 0.1 * mean * torch.eye(50))

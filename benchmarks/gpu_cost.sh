@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Full cost benchmark (benchmarks/cost.py, full sizes: batch 256 / 64 / 8, default dp-kfc
+# preconditioner, 5 rounds x 6 timed steps per method, 2 timed refreshes) on one GPU.
+#
+#   bash benchmarks/gpu_cost.sh [extra benchmarks/cost.py options]
+#
+# Writes benchmarks/results/cost_cuda.{json,md}. Budgeted to finish in under 8 minutes: a hard
+# timeout of 7 min 50 s interrupts it otherwise, and the models measured so far are already
+# saved (cost.py writes its JSON/Markdown after every model). Environment: PYTHON (interpreter,
+# default .venv/bin/python or python), GPU (device index, default 0), THREADS (CPU threads, 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python; fi
+fi
+export CUDA_VISIBLE_DEVICES="${GPU:-${CUDA_VISIBLE_DEVICES:-0}}"
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible")'
+nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
+exec timeout --signal=INT --kill-after=10 470 \
+    "$PY" benchmarks/cost.py --device cuda --threads "${THREADS:-2}" --steps 6 --refresh-reps 2 "$@"

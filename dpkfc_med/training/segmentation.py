@@ -1,0 +1,550 @@
+"""3D segmentation task: NIfTI folders, one volume per privacy unit, Dice by sliding windows.
+
+The trainer (:mod:`.loop`) is generic; this module tells it how to read a segmentation folder
+(``imagesTr/`` + ``labelsTr/`` or an MSD ``dataset.json``), how to batch patches, which losses
+to use and how to evaluate.
+
+Privacy unit:
+    One item of the training set is one *volume* (one case / patient in MSD data) holding its
+    ``k = data.patches_per_unit`` random patches. Poisson sampling therefore draws volumes, and
+    :meth:`SegmentationTask.unpack` hands the trainer one unit id per patch, so the optimizer
+    sums the ``k`` per-patch gradients of a volume *before* clipping
+    (:meth:`~dpkfc_med.privacy.optimizer.ScaleThenPrivatizeOptimizer.set_unit_ids`): adding or
+    removing a patient moves the clipped sum by at most ``C`` whatever ``k`` is.
+
+Split:
+    The case-level train/val/test split is a function of the sorted case IDs, the fractions
+    ``data.split_fractions`` and ``training.seed`` only
+    (:func:`~dpkfc_med.data.deterministic_split`); ``data.max_train``/``max_eval`` keep the first
+    ``n`` IDs of each split. The split is recorded in the privacy report (``data.split``) and
+    written to ``split.json`` in the run directory.
+
+Preprocessing uses per-volume statistics only (z-score over nonzero voxels), so no dataset-wide
+statistic of the private data is released. Evaluation reads whole volumes (padded to at least
+the patch size) with :func:`monai.inferers.sliding_window_inference` and reports Dice per
+foreground class (:class:`monai.metrics.DiceMetric`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from dpkfc_med.data import (
+    DataNotFoundError,
+    DataValidationError,
+    SegmentationCases,
+    VolumeDataset,
+    deterministic_split,
+    load_segmentation_folder,
+    resolve_data_path,
+    save_split,
+    segmentation_transforms,
+    sha256_file,
+)
+from dpkfc_med.training.config import ConfigError, RunConfig
+from dpkfc_med.training.tasks import TASK_BUILDERS, Task
+
+__all__ = [
+    "PRIVACY_UNIT",
+    "SegmentationTask",
+    "VolumeCollate",
+    "build_segmentation_task",
+    "dice_scores",
+]
+
+log = logging.getLogger("dpkfc_med")
+
+PRIVACY_UNIT = "patient/volume"
+"""Name of the privacy unit in reports (one case of the folder)."""
+
+SPLITS = ("train", "val", "test")
+NUM_OVERLAYS = 3
+SW_OVERLAP = 0.25  # sliding-window overlap used for evaluation and overlays
+
+
+class VolumeCollate:
+    """Stack volume items into ``{"image": [B, k, C, *p], "label": [B, k, 1, *p]}``.
+
+    Poisson sampling can draw an empty batch; it is returned as zero-size tensors with the right
+    trailing shape, so the trainer can still take its (noise-only) step.
+
+    Args:
+        patches_per_unit: ``k``.
+        channels: image channels ``C``.
+        patch_size: spatial patch shape ``p``.
+    """
+
+    def __init__(self, patches_per_unit: int, channels: int, patch_size: Sequence[int]) -> None:
+        self.k = int(patches_per_unit)
+        self.channels = int(channels)
+        self.patch_size = tuple(int(s) for s in patch_size)
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """Collate ``items`` (each from :class:`~dpkfc_med.data.VolumeDataset`)."""
+        if not items:
+            return {
+                "image": torch.zeros(0, self.k, self.channels, *self.patch_size),
+                "label": torch.zeros(0, self.k, 1, *self.patch_size, dtype=torch.int64),
+                "case_id": [],
+            }
+        return {
+            "image": torch.stack([it["image"] for it in items]),
+            "label": torch.stack([it["label"] for it in items]),
+            "case_id": [it["case_id"] for it in items],
+        }
+
+
+class _CachedVolumes(Dataset):
+    """Deterministic evaluation items, read once and kept in memory (volumes are small)."""
+
+    def __init__(self, data: VolumeDataset) -> None:
+        self.data = data
+        self.case_ids = [r["case_id"] for r in data.records]
+        self._cache: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index not in self._cache:
+            self._cache[index] = self.data[index]
+        return self._cache[index]
+
+
+class _CachedPrefix:
+    """A MONAI ``Compose`` whose deterministic prefix (load, normalise, pad) runs once per case.
+
+    Like :class:`monai.data.CacheDataset`, but for the file records of
+    :class:`~dpkfc_med.data.VolumeDataset`: everything before the first random transform is
+    cached per case; the random patch sampling runs on every call.
+    """
+
+    def __init__(self, transform: Any) -> None:
+        from monai.transforms import Compose, Randomizable
+
+        steps = list(transform.transforms)
+        cut = next((i for i, t in enumerate(steps) if isinstance(t, Randomizable)), len(steps))
+        self.prefix, self.suffix = Compose(steps[:cut]), Compose(steps[cut:])
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def set_random_state(self, seed: int | None = None, state: Any = None) -> _CachedPrefix:
+        """Seed the random (patch-sampling) part."""
+        self.suffix.set_random_state(seed=seed, state=state)
+        return self
+
+    def __call__(self, record: dict[str, Any]) -> Any:
+        key = record["case_id"]
+        if key not in self._cache:
+            self._cache[key] = self.prefix(dict(record))
+        return self.suffix(dict(self._cache[key]))
+
+
+def dice_scores(pred: Tensor, label: Tensor, num_classes: int) -> Tensor:
+    """Dice of each foreground class for one or more volumes.
+
+    Args:
+        pred: predicted class ids ``[N, 1, *S]``.
+        label: true class ids ``[N, 1, *S]``.
+        num_classes: ``K`` (background included).
+
+    Returns:
+        ``[N, K - 1]`` Dice per case and foreground class (``nan`` where the class is absent
+        from the ground truth, following MONAI's ``ignore_empty``).
+    """
+    from monai.metrics import DiceMetric
+    from monai.networks.utils import one_hot
+
+    metric = DiceMetric(include_background=False, reduction="none", ignore_empty=True)
+    return metric(one_hot(pred, num_classes), one_hot(label, num_classes)).float()
+
+
+class SegmentationTask(Task):
+    """Dense segmentation of 3D volumes; the privacy unit is the volume (patient)."""
+
+    _loss_fn: Any = None
+
+    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Dice + cross-entropy (MONAI ``DiceCELoss``), a mean of per-patch terms.
+
+        The cross-entropy is the mean over voxels and patches; the soft Dice is computed per
+        patch and class (``batch=False``) and averaged. Both are therefore means over patches
+        of per-patch losses, so Opacus' ``loss_reduction="mean"`` rescaling yields each
+        patch's own gradient, and the optimizer sums the ``k`` patches of a volume before
+        clipping. The Dice term keeps the small foreground classes from being swamped by
+        background voxels, which otherwise stalls noisy training at "all background".
+
+        Args:
+            outputs: logits ``[N, K, *p]``.
+            targets: class ids ``[N, *p]``.
+        """
+        if self._loss_fn is None:
+            from monai.losses import DiceCELoss
+
+            self._loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, batch=False)
+        return self._loss_fn(outputs, targets.unsqueeze(1))
+
+    def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Per-probe loss ``[M]``: mean over voxels of the cross-entropy."""
+        return F.cross_entropy(outputs, targets, reduction="none").flatten(1).mean(1)
+
+    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Flatten ``B`` volumes of ``k`` patches into ``B * k`` samples with unit ids.
+
+        Returns:
+            inputs ``[B*k, C, *p]`` float, targets ``[B*k, *p]`` int64 and unit ids ``[B*k]``
+            (``arange(B).repeat_interleave(k)``: the patches of volume ``b`` share id ``b``).
+        """
+        image, label = batch["image"], batch["label"]
+        b, k = image.shape[0], image.shape[1]
+        x = image.flatten(0, 1)
+        y = label.flatten(0, 1).squeeze(1).long()
+        units = torch.arange(b).repeat_interleave(k)
+        return x, y, units
+
+    @property
+    def patch_size(self) -> tuple[int, ...]:
+        """Training patch (and sliding-window) size."""
+        return tuple(self.spatial_shape)
+
+    @torch.no_grad()
+    def predict(
+        self, model: nn.Module, image: Tensor, device: torch.device, batch_size: int
+    ) -> Tensor:
+        """Class ids ``[N, 1, *S]`` of whole volumes ``[N, C, *S]`` by sliding windows."""
+        from monai.inferers import sliding_window_inference
+
+        logits = sliding_window_inference(
+            image.to(device),
+            roi_size=self.patch_size,
+            sw_batch_size=max(1, int(batch_size)),
+            predictor=model,
+            overlap=SW_OVERLAP,
+        )
+        return torch.as_tensor(logits).argmax(1, keepdim=True).cpu()
+
+    def evaluate(
+        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+    ) -> dict[str, Any]:
+        """Dice per foreground class on the whole volumes of ``split``.
+
+        Args:
+            model: the network (evaluated in eval mode; its mode is restored afterwards).
+            split: ``"train"``, ``"val"``, ``"test"`` or ``"all"`` (every case of the folder).
+            device: where the model lives.
+            batch_size: windows per forward pass of the sliding-window inferer.
+
+        Returns:
+            ``{"mean_dice", "dice_per_class": {name: dice}, "n": cases}``; a class's Dice is the
+            mean over the cases that contain it, ``mean_dice`` the mean over classes.
+        """
+        data: _CachedVolumes = self.extra["splits"][split]
+        was = model.training
+        model.eval()
+        rows = []
+        try:
+            for i in range(len(data)):
+                item = data[i]
+                pred = self.predict(model, item["image"], device, batch_size)
+                rows.append(dice_scores(pred, item["label"], self.num_classes))
+        finally:
+            model.train(was)
+        names = self._foreground_names()
+        if rows:
+            per_case = torch.cat(rows).numpy().astype(np.float64)
+            with np.errstate(all="ignore"):
+                per_class = [
+                    float(np.nanmean(col)) if np.isfinite(col).any() else float("nan")
+                    for col in per_case.T
+                ]
+        else:
+            per_class = [float("nan")] * len(names)
+        finite = [v for v in per_class if np.isfinite(v)]
+        return {
+            "mean_dice": float(np.mean(finite)) if finite else float("nan"),
+            "dice_per_class": dict(zip(names, per_class)),
+            "n": len(data),
+        }
+
+    def _foreground_names(self) -> list[str]:
+        names = self.label_names or [f"class_{c}" for c in range(self.num_classes)]
+        return list(names[1:])
+
+    def after_training(self, model: nn.Module, run_dir: Path, device: torch.device) -> None:
+        """Write ``split.json`` and PNG overlays of a few validation cases into ``run_dir``.
+
+        The overlays show private images: they are for the data custodian, are not covered by
+        the privacy guarantee, and must not be released with the model.
+        """
+        save_split(self.extra["split_ids"], Path(run_dir) / "split.json")
+        try:
+            self.write_overlays(model, Path(run_dir) / "overlays", device)
+        except Exception as err:  # figures are a convenience; never fail a finished run on them
+            log.warning("overlays not written: %s: %s", type(err).__name__, err)
+
+    def write_overlays(
+        self, model: nn.Module, out_dir: Path, device: torch.device, num: int = NUM_OVERLAYS
+    ) -> list[Path]:
+        """PNG overlays (middle axial slice) of the first ``num`` validation cases.
+
+        Each figure shows the image in grey, the ground truth, and the prediction (filled
+        colours, with the ground-truth contours drawn over the prediction).
+
+        Returns:
+            The written files (``out_dir/<case_id>.png``).
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+
+        split = "val" if len(self.extra["splits"]["val"]) else "test"
+        data: _CachedVolumes = self.extra["splits"][split]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        k = self.num_classes
+        palette = ["#000000", "#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#46f0f0"]
+        colours = [palette[1 + (c - 1) % (len(palette) - 1)] for c in range(1, k)]
+        cmap = ListedColormap(colours)
+        names = self._foreground_names()
+        written = []
+        was = model.training
+        model.eval()
+        try:
+            for i in range(min(num, len(data))):
+                item = data[i]
+                pred = self.predict(model, item["image"], device, 4)
+                dice = dice_scores(pred, item["label"], k)[0].tolist()
+                image = item["image"][0, 0].numpy()
+                label = item["label"][0, 0].numpy()
+                guess = pred[0, 0].numpy()
+                z = image.shape[-1] // 2  # axial = last NIfTI voxel axis
+                sl = (slice(None), slice(None), z)
+                img, gt, pr = image[sl].T, label[sl].T, guess[sl].T
+                fig, axes = plt.subplots(1, 3, figsize=(9, 3.4))
+                for ax, title, mask in (
+                    (axes[0], "image", None),
+                    (axes[1], "ground truth", gt),
+                    (axes[2], "prediction (GT contours)", pr),
+                ):
+                    ax.imshow(img, cmap="gray", origin="lower")
+                    if mask is not None:
+                        shown = np.ma.masked_where(mask == 0, mask - 1)
+                        ax.imshow(
+                            shown,
+                            cmap=cmap,
+                            vmin=0,
+                            vmax=max(k - 2, 1),
+                            alpha=0.5,
+                            origin="lower",
+                            interpolation="nearest",
+                        )
+                    ax.set_title(title, fontsize=9)
+                    ax.axis("off")
+                for c in range(1, k):
+                    if (gt == c).any() and (gt != c).any():
+                        axes[2].contour(
+                            gt == c, levels=[0.5], colors=[colours[c - 1]], linewidths=0.8
+                        )
+                scores = ", ".join(f"{n} {d:.3f}" for n, d in zip(names, dice))
+                fig.suptitle(
+                    f"{data.case_ids[i]} ({split}), slice z={z}: Dice {scores}", fontsize=9
+                )
+                fig.tight_layout()
+                path = out_dir / f"{data.case_ids[i]}.png"
+                fig.savefig(path, dpi=100)
+                plt.close(fig)
+                written.append(path)
+        finally:
+            model.train(was)
+        return written
+
+
+# ------------------------------------------------------------------------------- builder
+def _patch_size(cfg: RunConfig, cases: SegmentationCases) -> tuple[int, int, int]:
+    """The configured patch, or the largest volume rounded up to a multiple of 16."""
+    if cfg.data.patch_size is None:
+        biggest = np.max([c.shape for c in cases], axis=0)
+        return tuple(int(-(-s // 16) * 16) for s in biggest)  # type: ignore[return-value]
+    p = list(cfg.data.patch_size)
+    if len(p) != 3 or any(not isinstance(s, int) or s < 1 for s in p):
+        raise ConfigError(
+            [f"data.patch_size={p!r}: must be 3 positive integers, e.g. [32, 32, 32]"]
+        )
+    return (p[0], p[1], p[2])
+
+
+def _spacing(cfg: RunConfig, cases: SegmentationCases) -> tuple[tuple[float, ...], str]:
+    if cfg.data.spacing is not None:
+        s = [float(v) for v in cfg.data.spacing]
+        if len(s) != 3 or any(not v > 0 for v in s):
+            raise ConfigError([f"data.spacing={s!r}: must be 3 positive numbers in mm"])
+        return tuple(s), "data.spacing"
+    med = np.median(np.asarray([c.spacing for c in cases], dtype=np.float64), axis=0)
+    return tuple(float(v) for v in med), "median of the NIfTI header spacings"
+
+
+def _label_names(cases: SegmentationCases, num_classes: int) -> list[str]:
+    declared = cases.label_names or {}
+    return [declared.get(c, "background" if c == 0 else f"class_{c}") for c in range(num_classes)]
+
+
+def _undeclared_num_classes(cases: SegmentationCases) -> int:
+    """Classes of a folder without declared labels: the largest label value + 1."""
+    import nibabel as nib
+
+    top = 0
+    for case in cases:
+        top = max(top, int(np.asanyarray(nib.load(str(case.label_path)).dataobj).max()))
+    return max(2, top + 1)
+
+
+def _fingerprint(cases: SegmentationCases) -> str:
+    """SHA-256 of the manifest ``case_id image_sha256 label_sha256`` of ``cases`` (sorted)."""
+    lines = [
+        f"{c.case_id} {sha256_file(c.image_path)} {sha256_file(c.label_path)}\n" for c in cases
+    ]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def _same_folder(a: Path, spec: str) -> bool:
+    try:
+        return resolve_data_path(spec, kind="dir") == a
+    except (DataNotFoundError, ValueError):
+        return False
+
+
+def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
+    """Read and validate a segmentation folder into a :class:`SegmentationTask`.
+
+    Every case in use is checked before anything is written (pairing, headers, image/label
+    shape, readability, label values against the declared classes); errors name the case.
+
+    Args:
+        cfg: the run configuration (``data.*``, ``training.seed``).
+        data_path: another folder of the same task (evaluation); default ``cfg.data.path``.
+
+    Returns:
+        The task; ``extra["splits"]`` holds evaluation datasets ``train``/``val``/``test`` and
+        ``all`` (every case of the folder), ``extra["split_ids"]`` the case IDs per split.
+
+    Raises:
+        DataValidationError: a bad case (named) or folder layout.
+        DataNotFoundError: the folder does not exist.
+        ConfigError: bad ``data.patch_size`` / ``data.spacing`` / ``data.split_fractions``.
+    """
+    if cfg.data.spatial_dims not in (None, 3):
+        raise ConfigError(
+            [
+                f"data.spatial_dims={cfg.data.spatial_dims}: segmentation folders hold 3-D "
+                "volumes; drop the field or set it to 3"
+            ]
+        )
+    spec = data_path or cfg.data.path
+    root = resolve_data_path(spec, kind="dir")
+    cases = load_segmentation_folder(root)
+    try:
+        split_ids = deterministic_split(cases.case_ids, cfg.data.split_fractions, cfg.training.seed)
+    except ValueError as err:
+        raise ConfigError([f"data.split_fractions={cfg.data.split_fractions!r}: {err}"]) from None
+    caps = {"train": cfg.data.max_train, "val": cfg.data.max_eval, "test": cfg.data.max_eval}
+    for name, cap in caps.items():
+        if cap is not None:
+            split_ids[name] = split_ids[name][:cap]
+    used = sorted({c for ids in split_ids.values() for c in ids})
+    own_data = data_path is None or _same_folder(root, cfg.data.path)
+    # Foreign data is evaluated on every case; the run's own data only on the cases in use.
+    checked = cases if not own_data else cases.select(used)
+    checked.validate_all()
+    num_classes = cases.num_classes
+    classes_from = "dataset.json 'labels'"
+    if num_classes is None:
+        num_classes = _undeclared_num_classes(checked)
+        classes_from = "largest label value in the data + 1 (no declared labels)"
+    channels = {c.channels for c in cases}
+    if len(channels) != 1:
+        raise DataValidationError(
+            root, [f"cases have different channel counts {sorted(channels)}; use one modality set"]
+        )
+    in_channels = channels.pop()
+    patch = _patch_size(cfg, cases)
+    spacing, spacing_from = _spacing(cfg, cases)
+    k = int(cfg.data.patches_per_unit)
+
+    train_transform = segmentation_transforms(
+        spatial_size=patch,
+        train=True,
+        num_patches_per_volume=k,
+        intensity="zscore",
+        label_values=cases.label_values,
+    )
+    train_set = VolumeDataset(
+        cases,
+        case_ids=split_ids["train"],
+        transform=_CachedPrefix(train_transform),
+        num_patches_per_volume=k,
+        seed=cfg.training.seed,
+    )
+    # One deterministic evaluation pipeline for every split: the whole volume, padded.
+    eval_transform = segmentation_transforms(
+        spatial_size=patch, train=False, intensity="zscore", label_values=cases.label_values
+    )
+    splits: dict[str, Any] = {
+        name: _CachedVolumes(VolumeDataset(cases, case_ids=ids, transform=eval_transform))
+        for name, ids in {**split_ids, "all": cases.case_ids if not own_data else used}.items()
+    }
+    record = {
+        "path": str(root),
+        "format": f"nifti-folder ({cases.source})",
+        "sha256": {
+            f"{root.name} (manifest of {len(checked)} image/label pairs)": _fingerprint(checked)
+        },
+        "num_cases": len(cases),
+        "splits": {name: len(ids) for name, ids in split_ids.items()},
+        "split": split_ids,
+        "split_rule": (
+            f"deterministic_split(sorted case ids, fractions={list(cfg.data.split_fractions)}, "
+            f"seed={cfg.training.seed}); max_train/max_eval keep the first n ids of a split"
+        ),
+        "subset": {"max_train": cfg.data.max_train, "max_eval": cfg.data.max_eval},
+        "num_classes_source": classes_from,
+        "patch_size": list(patch),
+        "patches_per_unit": k,
+        "spacing_mm": list(spacing),
+        "spacing_source": spacing_from,
+        "intensity": "z-score per volume over nonzero voxels (no dataset-wide statistic)",
+    }
+    return SegmentationTask(
+        kind="segmentation",
+        spatial_dims=3,
+        in_channels=in_channels,
+        num_classes=num_classes,
+        spatial_shape=patch,
+        label_names=_label_names(cases, num_classes),
+        train_set=train_set,
+        data_record=record,
+        selection_metric="mean_dice",
+        privacy_unit=PRIVACY_UNIT,
+        max_samples_per_unit=k,
+        spacing=spacing,
+        intensity="zscore",
+        extra={
+            "splits": splits,
+            "split_ids": split_ids,
+            "cases": cases,
+            "own_data": own_data,
+            "collate": VolumeCollate(k, in_channels, patch),
+        },
+    )
+
+
+TASK_BUILDERS["segmentation"] = build_segmentation_task

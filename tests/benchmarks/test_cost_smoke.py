@@ -1,0 +1,91 @@
+"""Smoke test of benchmarks/cost.py: structure of the measurement, no timing assertions."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+COST_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "cost.py"
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def cost():
+    spec = importlib.util.spec_from_file_location("dpkfc_benchmarks_cost", COST_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture
+def fast_build(cost, monkeypatch):
+    """Build the small CNN with the script's own builder (skips importing MONAI: faster)."""
+
+    def build(case, seed):
+        torch.manual_seed(seed)
+        return cost._fallback_build(case), "fallback"
+
+    monkeypatch.setattr(cost, "build_network", build)
+
+
+def test_measure_timing_small_cnn(cost, fast_build):
+    case = cost.CASES["small_cnn"]
+    out = cost.measure_timing(
+        case,
+        batch=4,
+        shape=(28, 28),
+        warmup=1,
+        rounds=2,
+        steps=1,  # 2 timed steps per method, alternating
+        refresh_reps=1,
+        kfc={"num_probes": 16, "calibration_samples": 4},
+    )
+    assert out["errors"] == {}
+    assert set(out["methods"]) == set(cost.METHODS)
+    for summary in out["methods"].values():
+        assert summary["n"] == 2
+        assert all(t > 0 for t in summary["all_ms"]) and summary["median_ms"] > 0
+    # every round ran every method, in a rotated order
+    assert [sorted(o) for o in out["round_orders"]] == [sorted(cost.METHODS)] * 2
+    assert out["round_orders"][0] != out["round_orders"][1]
+    refresh = out["refresh"]
+    assert refresh["median_s"] > 0 and refresh["calls"][0]["factors_s"] >= 0
+    assert refresh["num_probes"] == 16 and refresh["extrapolated"]
+    assert refresh["median_s_default_probes"] > 0
+
+    out.update(epoch_samples=100, epoch_data="synthetic", kfc_overrides={"num_probes": 16})
+    out["memory"] = [
+        {"model": "small_cnn", "method": m, "primary_mib": 10.0 + i}
+        for i, m in enumerate(cost.METHODS)
+    ]
+    an = cost.analyse(out, refresh_every=20)
+    assert an["ratios"]["time"]["opacus"] == pytest.approx(1.0)
+    assert an["ratios"]["memory"]["dp-kfc"] == pytest.approx(13.0 / 11.0)
+    assert 0 < an["refresh_amortised"]["share_at_default_period"] < 1
+    assert set(an["targets"]) == {"step", "memory", "refresh"}
+    # fewer probes change the refresh (extrapolated), not the step
+    assert an["targets"]["step"] in ("met", "missed")
+    assert "extrapolated" in an["targets"]["refresh"]
+
+
+def test_memory_job_structure(cost, fast_build):
+    job = {
+        "model": "small_cnn",
+        "method": "dp-sgd",
+        "batch": 4,
+        "shape": [28, 28],
+        "seed": 0,
+        "device": "cpu",
+        "threads": 1,
+        "steps": 1,
+    }
+    res = cost.measure_memory_job(job)
+    assert res["method"] == "dp-sgd" and res["step_peak_mib"] > 0
+    assert res["primary_mib"] >= 0 and "how" in res
