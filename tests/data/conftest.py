@@ -18,7 +18,8 @@ def _resolve_or_skip(spec: str, kind: str = "file") -> Path:
     try:
         return resolve_data_path(spec, kind=kind)  # type: ignore[arg-type]
     except DataNotFoundError as err:
-        pytest.skip(f"bundled data not available: {err}")
+        # Missing data must fail loudly: a skipped data test would hide a broken resolver.
+        pytest.fail(f"bundled data not available (set DPKFC_MED_DATA): {err}")
 
 
 @pytest.fixture(scope="session")

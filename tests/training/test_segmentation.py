@@ -17,9 +17,14 @@ from tests.conftest import SHARED_DATA
 HIPPO = Path(SHARED_DATA) / "msd_hippocampus"
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hippocampus_unet_3d_eps8.yaml"
 
-needs_hippo = pytest.mark.skipif(
-    not (HIPPO / "imagesTr").is_dir(), reason="no msd_hippocampus data"
-)
+# The real data must be present (set DPKFC_MED_DATA); a missing folder fails, never skips.
+needs_hippo = pytest.mark.usefixtures("_hippo_present")
+
+
+@pytest.fixture
+def _hippo_present() -> None:
+    assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}; set DPKFC_MED_DATA"
+
 
 # A tiny slice of the real data and a tiny UNet: seconds per run on one CPU core.
 TINY = [
@@ -45,8 +50,7 @@ def _sets(items: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One tiny training run per private method (shared by the tests of this module)."""
-    if not (HIPPO / "imagesTr").is_dir():
-        pytest.skip("no msd_hippocampus data")
+    assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}; set DPKFC_MED_DATA"
     out = {}
     for method in ("dp-sgd", "dp-kfc"):
         run = tmp_path_factory.mktemp("seg") / method
