@@ -165,7 +165,8 @@ def dice_scores(pred: Tensor, label: Tensor, num_classes: int) -> Tensor:
     from monai.networks.utils import one_hot
 
     metric = DiceMetric(include_background=False, reduction="none", ignore_empty=True)
-    return metric(one_hot(pred, num_classes), one_hot(label, num_classes)).float()
+    scores = metric(one_hot(pred, num_classes), one_hot(label, num_classes))
+    return torch.as_tensor(scores).float()
 
 
 class SegmentationTask(Task):
@@ -404,7 +405,8 @@ def _undeclared_num_classes(cases: SegmentationCases) -> int:
 
     top = 0
     for case in cases:
-        top = max(top, int(np.asanyarray(nib.load(str(case.label_path)).dataobj).max()))
+        image: Any = nib.load(str(case.label_path))  # typed as the generic FileBasedImage
+        top = max(top, int(np.asanyarray(image.dataobj).max()))
     return max(2, top + 1)
 
 
