@@ -58,7 +58,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("run_dir")
     e.add_argument("--data", help="dataset to evaluate on (default: the run's own data)")
-    e.add_argument("--split", default="test", choices=["test", "val", "train"])
+    e.add_argument(
+        "--split",
+        default="test",
+        choices=["test", "val", "train", "all"],
+        help="split to evaluate (a segmentation folder other than the run's own: all its cases)",
+    )
     e.add_argument("--device", default="cpu")
     r = sub.add_parser(
         "report",
@@ -112,7 +117,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _short(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in metrics.items() if not isinstance(v, (list, dict)) or k == "per_class"}
+    # The full record (data provenance, confusion matrix) is in RUN_DIR/evaluations/.
+    return {k: v for k, v in metrics.items() if k not in ("data", "confusion_matrix")}
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -65,3 +65,19 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+def summed_clipped(popt, backward, units=None) -> torch.Tensor:
+    """Sum of transformed, per-unit clipped gradients before noise (the DP sensitivity target).
+
+    ``backward()`` runs the forward/backward pass of one batch; ``units`` are its unit ids.
+    """
+    popt.zero_grad()
+    backward()
+    popt.set_unit_ids(units)
+    for p in popt.params:
+        p.summed_grad = None
+    popt.clip_and_accumulate()
+    out = torch.cat([p.summed_grad.flatten() for p in popt.params])
+    popt.zero_grad()
+    return out

@@ -16,6 +16,7 @@ ledger's, which is never behind) and re-raises.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -42,7 +43,6 @@ from dpkfc_med.privacy.accounting import (
     epsilon_for,
 )
 from dpkfc_med.privacy.engine import PrivacyEngine
-from dpkfc_med.privacy.optimizer import BudgetExhaustedError
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.tasks import Task, build_task
 
@@ -192,11 +192,7 @@ def _build_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, 
     )
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)
     validate_private_compatible(model)
-    return model, [dict(vars(f)) if hasattr(f, "__dict__") else _fix_dict(f) for f in fixes]
-
-
-def _fix_dict(f: Any) -> dict[str, Any]:
-    return {k: getattr(f, k) for k in ("path", "before", "after", "reason") if hasattr(f, k)}
+    return model, [dataclasses.asdict(f) for f in fixes]
 
 
 def _make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -364,7 +360,7 @@ def train(
             engine is not None and popt.steps_taken >= plan["planned_steps"]  # type: ignore[index]
         ):
             status = "complete"
-    except (KeyboardInterrupt, BudgetExhaustedError, Exception):
+    except (KeyboardInterrupt, Exception):  # incl. BudgetExhaustedError: report what was spent
         _fill_epsilon(state, engine)
         _finish(state, model, engine, plan, fixes, "incomplete", evaluate=False)
         raise

@@ -22,7 +22,7 @@ from dpkfc_med.privacy.accounting import (
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.privacy.optimizer import BudgetExhaustedError
 from dpkfc_med.privacy.rng import SecurePoissonSampler, secure_normal
-from tests.conftest import GaussianProbes, per_sample_ce, tiny_cnn_2d, tiny_cnn_3d
+from tests.conftest import GaussianProbes, per_sample_ce, summed_clipped, tiny_cnn_2d, tiny_cnn_3d
 
 
 def _data(n=64, shape=(1, 8, 8), classes=3, seed=0):
@@ -97,16 +97,10 @@ def test_identity_preconditioner_step_equals_opacus(float64):
 
 
 def _summed_clipped(popt, pm, x, y, units=None):
-    """Sum of transformed, clipped per-unit gradients (before noise)."""
-    popt.zero_grad()
-    F.cross_entropy(pm(x), y, reduction="sum").backward()
-    popt.set_unit_ids(units)
-    for p in popt.params:
-        p.summed_grad = None
-    popt.clip_and_accumulate()
-    out = torch.cat([p.summed_grad.flatten() for p in popt.params])
-    popt.zero_grad()
-    return out
+    """Clipped per-unit sum for a sum-reduced cross-entropy batch."""
+    return summed_clipped(
+        popt, lambda: F.cross_entropy(pm(x), y, reduction="sum").backward(), units
+    )
 
 
 @pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpkfc_med.cli import main
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, summed_clipped
 
 HIPPO = Path(SHARED_DATA) / "msd_hippocampus"
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hippocampus_unet_3d_eps8.yaml"
@@ -110,17 +110,9 @@ def test_cli_evaluate_on_another_folder_uses_all_its_cases(runs, tmp_path, capsy
 
 # ------------------------------------------------------------------------- privacy unit
 def _summed_clipped(popt, pm, task, batch):
-    """Sum of (transformed) per-unit clipped gradients, before noise, for a collated batch."""
+    """Clipped per-unit sum, before noise, for a collated batch of volumes."""
     x, y, units = task.unpack(batch)
-    popt.zero_grad()
-    task.loss(pm(x), y).backward()
-    popt.set_unit_ids(units)
-    for p in popt.params:
-        p.summed_grad = None
-    popt.clip_and_accumulate()
-    out = torch.cat([p.summed_grad.flatten() for p in popt.params])
-    popt.zero_grad()
-    return out
+    return summed_clipped(popt, lambda: task.loss(pm(x), y).backward(), units)
 
 
 @pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
