@@ -201,6 +201,15 @@ def _environment() -> dict[str, Any]:
     return env
 
 
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def _load(path: Path) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
@@ -296,12 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "environment": _environment(),
         }
     )
-    try:
-        data["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        data["git_commit"] = None
+    data["git_commit"] = _git_commit()
     done = {(r["phase"], r["method"], r["eps"], r["lr"], r["seed"]) for r in data["runs"]}
     methods = args.methods.split(",")
     eps_list = [float(e) for e in args.eps.split(",")]

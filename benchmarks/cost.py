@@ -336,8 +336,14 @@ def refresh_bytes_per_probe(rows: list[dict[str, Any]]) -> int:
 
 
 def step_bytes_per_sample(rows: list[dict[str, Any]]) -> int:
-    """Estimated per-sample memory of the largest unfolded layer input in a private step."""
-    return 4 * max((r["T"] * r["G"] * r["n_a"] for r in rows), default=0)
+    """Estimated per-sample memory of the largest unfolded layer input in a private step.
+
+    Transposed convolutions form per-sample gradients on their input grid (no unfold).
+    """
+    return 4 * max(
+        (r["T"] * r["G"] * r["n_a"] for r in rows if not r["type"].startswith("ConvTranspose")),
+        default=0,
+    )
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -26,6 +26,7 @@ convolution of the zero-inserted, re-padded input with the flipped, channel-swap
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ class LayerAdapter:
         to_params: ``(module, grads [B, G, n_g, n_a]) -> {param: [B, *param.shape]}``.
         from_params: ``(module, {param: [B, *param.shape]}) -> [B, G, n_g, n_a]``.
         dims: ``module -> (G, n_a, n_g)``.
+        param_grads: optional ``(module, x, dy) -> {param: [B, *param.shape]}``, the raw
+            per-sample gradients computed without the ``[B, T, G, n_a]`` unfold. Layers whose
+            unfold is wasteful (transposed convolutions: 1 - 1/prod(stride) of it is inserted
+            zeros) provide it, and per-sample transforms then start from it.
     """
 
     name: str
@@ -64,6 +69,7 @@ class LayerAdapter:
     to_params: Callable[[nn.Module, Tensor], dict[nn.Parameter, Tensor]]
     from_params: Callable[[nn.Module, dict[nn.Parameter, Tensor]], Tensor]
     dims: Callable[[nn.Module], tuple[int, int, int]]
+    param_grads: Callable[[nn.Module, Tensor, Tensor], dict[nn.Parameter, Tensor]] | None = None
 
 
 _ADAPTERS: dict[type[nn.Module], LayerAdapter] = {}
@@ -264,6 +270,53 @@ def _convt_activations(module: Any, x: Tensor) -> Tensor:
     return _append_one(a) if _has_bias(module) else a
 
 
+def _convt_param_grads(module: Any, x: Tensor, dy: Tensor) -> dict[nn.Parameter, Tensor]:
+    """Per-sample ConvTranspose gradients on the input grid (no zero insertion).
+
+    ``y[o] = sum_{p, k: o = p*stride - pad + k*dil} W[:, :, k]^T x[p]``, so
+    ``dW[ci, co, k] = sum_p x[ci, p] dy[co, p*stride - pad + k*dil]``: for each kernel offset,
+    one batched matrix product of the input with a strided view of the (re-padded) output
+    error. Cost ``B * T_in * C_in * C_out/g * prod(k)``, ``prod(stride)`` times less than the
+    unfold of the zero-inserted input, and no patch tensor is materialised.
+    """
+    out: dict[nn.Parameter, Tensor] = {}
+    b = x.shape[0]
+    if _has_bias(module):
+        out[module.bias] = dy.reshape(b, dy.shape[1], -1).sum(-1)
+    if not module.weight.requires_grad:
+        return out
+    n = x.dim() - 2
+    stride, dil = module.stride, module.dilation
+    k, pad, opad = module.kernel_size, module.padding, module.output_padding
+    g = module.groups
+    c_in, c_out = x.shape[1], dy.shape[1]
+    n_in = x.shape[2:]
+    # Pad so that index p*stride + k*dil of the padded error is dy[p*stride - pad + k*dil]:
+    # `pad` zeros in front; at the back, what the last patch needs beyond dy (crop if negative).
+    pads: list[int] = []
+    for d in reversed(range(n)):
+        pads += [pad[d], pad[d] - opad[d]]
+    dyp = F.pad(dy, pads)
+    xg = x.reshape(b, g, c_in // g, -1)
+    grads = []
+    for offset in itertools.product(*(range(kd) for kd in k)):
+        view = dyp[
+            (
+                slice(None),
+                slice(None),
+                *[
+                    slice(o * dl, o * dl + (m - 1) * st + 1, st)
+                    for o, dl, m, st in zip(offset, dil, n_in, stride)
+                ],
+            )
+        ]
+        view = view.reshape(b, g, c_out // g, -1)
+        grads.append(torch.matmul(xg, view.transpose(-1, -2)))  # [B, g, C_in/g, C_out/g]
+    w = torch.stack(grads, dim=-1).reshape(b, c_in, c_out // g, *k)
+    out[module.weight] = w
+    return out
+
+
 def _convt_to_params(module: Any, grads: Tensor) -> dict[nn.Parameter, Tensor]:
     w_shape = module.weight.shape  # [C_in, C_out/g, *k]
     g = module.groups  # type: ignore[union-attr]
@@ -305,5 +358,6 @@ CONV_TRANSPOSE = register_adapter(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.Con
         _convt_to_params,
         _convt_from_params,
         _convt_dims,
+        _convt_param_grads,
     )
 )

@@ -3,7 +3,8 @@
 :class:`PreconditionedGradSampleModule` is an Opacus ``GradSampleModule`` whose grad samplers
 for covered layers (Linear, ConvNd, ConvTransposeNd) produce ``s U_G g_i U_A`` directly from
 the captured activations and output errors (``(U_G delta)(U_A a)^T`` summed over positions, or
-the transform of the per-sample gradient, whichever is cheaper). Layers without an attached
+the transform of the per-sample gradient, whichever is cheaper; transposed convolutions always
+transform per-sample gradients formed on their input grid). Layers without an attached
 preconditioner block use Opacus' own samplers unchanged, so DP-SGD through this module is
 bit-for-bit Opacus. Everything downstream (clipping, noise, accounting) sees ordinary
 ``grad_sample`` tensors.
@@ -45,9 +46,15 @@ def _preconditioned_sampler(
         # cheaper than unfolding the zero-inserted input when no transform is needed.
         return ft_compute_per_sample_gradient(module, activations, backprops)
     assert adapter is not None
-    a = adapter.activations(module, activations[0])
-    d = adapter.errors(module, backprops)
-    grads, raw = block.per_sample_grads(a, d)
+    if adapter.param_grads is not None:
+        # Direct per-sample gradients (transposed convs: no zero-inserted unfold), then the
+        # literal transform s U_G g U_A.
+        raw = adapter.from_params(module, adapter.param_grads(module, activations[0], backprops))
+        grads = block.transform_grads(raw)
+    else:
+        a = adapter.activations(module, activations[0])
+        d = adapter.errors(module, backprops)
+        grads, raw = block.per_sample_grads(a, d)
     if raw is None:
         m = RAW_NORM_SAMPLES
         raw = torch.einsum("btgo,btgi->bgoi", d[:m], a[:m])

@@ -44,6 +44,12 @@ LAYERS = {
     ),
     "convt2d_grouped": (lambda: nn.ConvTranspose2d(4, 2, 3, stride=2, groups=2), (2, 4, 3, 2)),
     "convt3d_nobias": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=2, bias=False), (2, 2, 2, 3, 2)),
+    "convt2d_dilated_outpad": (
+        lambda: nn.ConvTranspose2d(
+            4, 6, (3, 2), stride=(2, 3), padding=(2, 1), output_padding=(1, 2), dilation=2, groups=2
+        ),
+        (2, 4, 4, 3),
+    ),
 }
 
 
@@ -115,12 +121,16 @@ def test_per_sample_grads_match_autograd(case, float64):
     a = adapter.activations(module, x)
     d = adapter.errors(module, _delta(module, x, r))
     grads = adapter.to_params(module, torch.einsum("btgo,btgi->bgoi", d, a))
+    direct = adapter.param_grads and adapter.param_grads(module, x, _delta(module, x, r))
+    assert bool(direct) == case.startswith("convt")
     for m in range(shape[0]):
         ref = torch.autograd.grad(
             _loss(module(x[m : m + 1]), r[m : m + 1]).sum(), list(module.parameters())
         )
         for p, g in zip(module.parameters(), ref):
             torch.testing.assert_close(grads[p][m], g, rtol=1e-10, atol=1e-12)
+            if direct:  # the unfold-free path (transposed convs) must agree too
+                torch.testing.assert_close(direct[p][m], g, rtol=1e-10, atol=1e-12)
     # round trip of the layout map
     back = adapter.from_params(module, grads)
     torch.testing.assert_close(back, torch.einsum("btgo,btgi->bgoi", d, a))
