@@ -97,9 +97,7 @@ def summarize(data: dict[str, Any]) -> str:
         runs = evals.get(method)
         if not runs:
             continue
-        per_class = [
-            fmt([r["test"]["dice_per_class"][n] for r in runs]) for n in names
-        ]
+        per_class = [fmt([r["test"]["dice_per_class"][n] for r in runs]) for n in names]
         spent = [r["epsilon"] for r in runs if r["epsilon"] is not None]
         lines.append(
             f"| {method} | {'-' if method == 'nonprivate' else data['target_epsilon']} | "
@@ -178,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 data["class_names"] = list(data["runs"][-1]["test"]["dice_per_class"])
                 _save(out, data)
-                print(f"eval {method} seed={seed}: test Dice {data['runs'][-1]['test']['mean_dice']:.3f}")
+                print(
+                    f"eval {method} seed={seed}: test Dice {data['runs'][-1]['test']['mean_dice']:.3f}"
+                )
         out.with_suffix(".md").write_text(summarize(data))
     out.with_suffix(".md").write_text(summarize(data))
     print(out.with_suffix(".md").read_text())
