@@ -320,7 +320,15 @@ def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[d
         g, n_a, n_g = adapter_for(m).dims(m)  # type: ignore[union-attr]
         t = positions.get(name, 0)
         rows.append(
-            {"layer": name, "type": type(m).__name__, "T": t, "G": g, "n_a": n_a, "n_g": n_g}
+            {
+                "layer": name,
+                "type": type(m).__name__,
+                "T": t,
+                "G": g,
+                "n_a": n_a,
+                "n_g": n_g,
+                "stride_prod": math.prod(getattr(m, "stride", (1,))),
+            }
         )
     return rows
 
@@ -344,6 +352,32 @@ def step_bytes_per_sample(rows: list[dict[str, Any]]) -> int:
         (r["T"] * r["G"] * r["n_a"] for r in rows if not r["type"].startswith("ConvTranspose")),
         default=0,
     )
+
+
+def transform_macs(rows: list[dict[str, Any]], kfc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per covered layer and per sample: multiply-adds of the raw per-sample gradient (what
+    DP-SGD computes too) and of the DP-KFC transform on the path the preconditioner picks.
+
+    Mirrors ``KroneckerBlock._cost``; transposed convolutions form raw gradients on their input
+    grid and always transform them (``n_g^2 n_a + n_g n_a^2``).
+    """
+    cfg = {**default_kfc_config(), **kfc}
+    max_dim, factors = int(cfg["max_factor_dim"]), str(cfg["factors"])
+    out = []
+    for r in rows:
+        t, g, n_a, n_g = r["T"], r["G"], r["n_a"], r["n_g"]
+        full_a = factors != "identity" and n_a <= max_dim
+        full_g = factors == "ag" and n_g <= max_dim
+        raw = t * g * n_a * n_g
+        materialized = g * (full_g * n_g * n_g * n_a + full_a * n_g * n_a * n_a)
+        if r["type"].startswith("ConvTranspose"):
+            raw //= max(int(r.get("stride_prod", 1)), 1)
+            extra = materialized
+        else:
+            factored = t * g * (full_a * n_a * n_a + full_g * n_g * n_g)
+            extra = min(factored, materialized)
+        out.append({"layer": r["layer"], "type": r["type"], "raw": raw, "transform": extra})
+    return out
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -1149,6 +1183,18 @@ def _model_markdown(mr: dict[str, Any]) -> list[str]:
             f"{100 * TARGETS['refresh_share_max']:.0f}%.",
             "",
         ]
+    macs = (mr.get("memory_footprint_estimate") or {}).get("macs_per_sample")
+    if macs:
+        raw, extra = sum(m["raw"] for m in macs), sum(m["transform"] for m in macs)
+        top = max(macs, key=lambda m: m["transform"])
+        lines += [
+            f"Where dp-kfc's extra time goes (multiply-adds per sample, covered layers): "
+            f"per-sample gradients {raw / 1e6:.1f} M (DP-SGD computes these too), DP-KFC "
+            f"transform {extra / 1e6:.1f} M ({extra / max(raw, 1):.2f}x the per-sample gradients); "
+            f"largest transform: `{top['layer']}` ({top['type']}) {top['transform'] / 1e6:.1f} M "
+            f"vs {top['raw'] / 1e6:.1f} M for its per-sample gradient.",
+            "",
+        ]
     share = am["share_at_default_period"] if am else None
     lines += [
         "| target | value | verdict |",
@@ -1322,6 +1368,7 @@ def plan_model(
         "largest_layer": max(rows, key=lambda r: r["T"] * r["G"] * (r["n_a"] + r["n_g"]))
         if rows
         else None,
+        "macs_per_sample": transform_macs(rows, kfc),
     }
     if device.type == "cpu" and not quick and batch_override is None:
         if avail is not None:
