@@ -34,6 +34,16 @@ _OPACUS_SAMPLERS = dict(GradSampleModule.GRAD_SAMPLERS)
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
 
 
+def _sample_chunk(batch: int) -> int:
+    """Samples per unfold in a covered layer's sampler.
+
+    The factored path holds the unfolded input, its transform and the transformed errors at
+    once; in quarters of the batch that stays below the single full-batch unfold Opacus' own
+    conv sampler makes, at the price of a few more (still large) matrix products.
+    """
+    return max(RAW_NORM_SAMPLES, -(-batch // 4))
+
+
 def _preconditioned_sampler(
     module: nn.Module, activations: list[Tensor], backprops: Tensor
 ) -> dict[nn.Parameter, Tensor]:
@@ -46,19 +56,30 @@ def _preconditioned_sampler(
         # cheaper than unfolding the zero-inserted input when no transform is needed.
         return ft_compute_per_sample_gradient(module, activations, backprops)
     assert adapter is not None
+    x = activations[0]
+    m = RAW_NORM_SAMPLES
     if adapter.param_grads is not None:
         # Direct per-sample gradients (transposed convs: no zero-inserted unfold), then the
         # literal transform s U_G g U_A.
-        raw = adapter.from_params(module, adapter.param_grads(module, activations[0], backprops))
+        raw = adapter.from_params(module, adapter.param_grads(module, x, backprops))
         grads = block.transform_grads(raw)
+        raw_sq = raw[:m].pow(2).flatten(1).sum(1)
     else:
-        a = adapter.activations(module, activations[0])
-        d = adapter.errors(module, backprops)
-        grads, raw = block.per_sample_grads(a, d)
-    if raw is None:
-        m = RAW_NORM_SAMPLES
-        raw = torch.einsum("btgo,btgi->bgoi", d[:m], a[:m])
-    module._dpkfc_raw_sq = raw[:RAW_NORM_SAMPLES].pow(2).flatten(1).sum(1)  # type: ignore[assignment]
+        b = x.shape[0]
+        g, n_a, n_g = block.dims
+        grads = x.new_empty(b, g, n_g, n_a)
+        step = _sample_chunk(b)
+        raw_sq = x.new_zeros(0)
+        for start in range(0, b, step):
+            sl = slice(start, start + step)
+            a = adapter.activations(module, x[sl])
+            d = adapter.errors(module, backprops[sl])
+            grads[sl], raw = block.per_sample_grads(a, d)
+            if start == 0:  # diagnostics: raw norms of the first samples
+                if raw is None:
+                    raw = torch.einsum("btgo,btgi->bgoi", d[:m], a[:m])
+                raw_sq = raw[:m].pow(2).flatten(1).sum(1)
+    module._dpkfc_raw_sq = raw_sq  # type: ignore[assignment]
     return adapter.to_params(module, grads)
 
 
