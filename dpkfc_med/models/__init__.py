@@ -4,6 +4,7 @@ from dpkfc_med.models.fix import (
     Fix,
     ModelCompatibilityError,
     NormChoice,
+    check_input_size,
     make_private_compatible,
     validate_private_compatible,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "NormChoice",
     "SmallCNN",
     "build_model",
+    "check_input_size",
     "get_model_spec",
     "list_models",
     "make_private_compatible",

@@ -41,6 +41,7 @@ __all__ = [
     "Fix",
     "ModelCompatibilityError",
     "NormChoice",
+    "check_input_size",
     "make_private_compatible",
     "validate_private_compatible",
 ]
@@ -466,3 +467,62 @@ def _first_sentence(message: object) -> str:
     text = str(message).strip()
     cut = text.find(". ")
     return (text if cut < 0 else text[:cut]).rstrip(".")
+
+
+def check_input_size(model: nn.Module, input_shape: tuple[int, ...]) -> None:
+    """Check that ``model`` gives input-dependent outputs for inputs of ``input_shape``.
+
+    A network that downsamples more than the input allows either fails deep inside its
+    forward pass or, worse, silently trains a constant: a GroupNorm / InstanceNorm that
+    normalises a single value per group outputs its bias whatever the image (DenseNet121 on
+    28x28 images reaches 1x1 before its last block). Both are reported here, naming the layer.
+
+    Args:
+        model: the network (any train/eval state; restored afterwards).
+        input_shape: one sample's ``(C, *spatial)``.
+
+    Raises:
+        ModelCompatibilityError: one line per problem, with the fix.
+    """
+    size = "x".join(map(str, input_shape[1:]))
+    fix = (
+        "use a larger input (data.resize for MedMNIST files, data.patch_size for volumes) or "
+        "a network with fewer downsampling stages"
+    )
+    problems: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
+        x = inputs[0]
+        groups = module.num_groups if isinstance(module, nn.GroupNorm) else x.shape[1]
+        per_group = (x.shape[1] // groups) * x[0, 0].numel()
+        if per_group == 1:
+            problems.append(
+                f"{names.get(module, type(module).__name__)}: {type(module).__name__} normalises "
+                f"a single value per group at input {size} (feature map "
+                f"{'x'.join(map(str, x.shape[2:])) or '1'}), so its output ignores the image; "
+                + fix
+            )
+
+    norms = [m for m in model.modules() if isinstance(m, (nn.GroupNorm, _InstanceNorm))]
+    handles = [m.register_forward_hook(hook) for m in norms]
+    was_training = model.training
+    try:
+        ref = next(model.parameters(), None)
+        x = torch.randn(2, *input_shape, device=None if ref is None else ref.device)
+        with torch.no_grad():
+            model.eval()
+            model(x)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0]
+        raise ModelCompatibilityError(
+            [f"{type(model).__name__} fails on inputs of size {size}: {first}; {fix}"]
+        ) from None
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    if problems:
+        raise ModelCompatibilityError(
+            problems[:5] + ([] if len(problems) <= 5 else [f"... and {len(problems) - 5} more"])
+        )

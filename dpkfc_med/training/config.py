@@ -84,6 +84,10 @@ class DataConfig:
         patch_size: training patch size for segmentation (``null``: whole padded volume).
         patches_per_unit: patches drawn per volume per step (segmentation).
         spacing: voxel spacing override in mm (default: from the data header, else 1).
+        resize: classification: resize every image to this spatial size (MONAI ``Resize``,
+            bilinear / trilinear) before the network; probes are drawn at the same size. Use it
+            when a network downsamples more than the file's size allows (DenseNet121 needs at
+            least 32x32; MedMNIST files are 28x28).
     """
 
     path: str = ""
@@ -96,6 +100,7 @@ class DataConfig:
     patch_size: list[int] | None = None
     patches_per_unit: int = 1
     spacing: list[float] | None = None
+    resize: list[int] | None = None
 
 
 @dataclass

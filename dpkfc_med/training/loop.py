@@ -35,7 +35,12 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpkfc_med.models import build_model, make_private_compatible, validate_private_compatible
+from dpkfc_med.models import (
+    build_model,
+    check_input_size,
+    make_private_compatible,
+    validate_private_compatible,
+)
 from dpkfc_med.privacy.accounting import (
     GaussianSteps,
     PrivacyLedger,
@@ -192,6 +197,7 @@ def _build_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, 
     )
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)
     validate_private_compatible(model)
+    check_input_size(model, (task.in_channels, *task.spatial_shape))
     return model, [dataclasses.asdict(f) for f in fixes]
 
 

@@ -451,6 +451,13 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
                 "volumes; drop the field or set it to 3"
             ]
         )
+    if cfg.data.resize is not None:
+        raise ConfigError(
+            [
+                "data.resize applies to classification images; segmentation trains on "
+                "data.patch_size patches of the volumes at their own voxel grid: drop data.resize"
+            ]
+        )
     spec = data_path or cfg.data.path
     root = resolve_data_path(spec, kind="dir")
     cases = load_segmentation_folder(root)

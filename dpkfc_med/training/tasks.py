@@ -180,6 +180,36 @@ class ClassificationTask(Task):
         return classification_metrics(probs, labels, self.label_names)
 
 
+class ResizeImage:
+    """Resize one image ``[C, *spatial] -> [C, *size]`` with MONAI ``Resize``.
+
+    Bilinear (2D) or trilinear (3D); the result is a plain tensor. Picklable for loader workers.
+    """
+
+    def __init__(self, size: tuple[int, ...]) -> None:
+        from monai.transforms import Resize
+
+        self.size = size
+        self._resize = Resize(size, mode="bilinear" if len(size) == 2 else "trilinear")
+
+    def __call__(self, image: Tensor) -> Tensor:
+        out = self._resize(image)
+        return out.as_tensor() if hasattr(out, "as_tensor") else torch.as_tensor(out)
+
+
+def _resize_transform(size: list[int] | None, spatial_dims: int) -> ResizeImage | None:
+    if size is None:
+        return None
+    if len(size) != spatial_dims or not all(isinstance(v, int) and v > 0 for v in size):
+        raise ConfigError(
+            [
+                f"data.resize={size!r}: must be {spatial_dims} positive integers (one per "
+                f"spatial axis of the data), e.g. {[64] * spatial_dims}"
+            ]
+        )
+    return ResizeImage(tuple(size))
+
+
 def _classification_task(cfg: RunConfig, data_path: str | None = None) -> ClassificationTask:
     spec = data_path or cfg.data.path
     path = resolve_data_path(spec, download=cfg.data.download)
@@ -193,14 +223,19 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
                 "shaped (N,) or (N, 1)"
             ],
         )
+    resize = _resize_transform(cfg.data.resize, data.spatial_dims)
     splits: dict[str, Dataset] = {}
     for name in ("train", "val", "test"):
         if name == "train" and cfg.data.max_train:
-            splits[name] = data.subset(name, cfg.data.max_train, seed=cfg.training.seed)
+            splits[name] = data.subset(
+                name, cfg.data.max_train, seed=cfg.training.seed, transform=resize
+            )
         elif name != "train" and cfg.data.max_eval:
-            splits[name] = data.subset(name, cfg.data.max_eval, seed=cfg.training.seed)
+            splits[name] = data.subset(
+                name, cfg.data.max_eval, seed=cfg.training.seed, transform=resize
+            )
         else:
-            splits[name] = data.dataset(name)
+            splits[name] = data.dataset(name, transform=resize)
     record = {
         "path": str(path),
         "sha256": {path.name: data.sha256},
@@ -208,13 +243,14 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
         "splits": {k: len(v) for k, v in splits.items()},  # type: ignore[arg-type]
         "class_counts": data.class_counts,
         "subset": {"max_train": cfg.data.max_train, "max_eval": cfg.data.max_eval},
+        "resize": None if resize is None else list(resize.size),
     }
     return ClassificationTask(
         kind="classification",
         spatial_dims=data.spatial_dims,
         in_channels=data.channels,
         num_classes=data.num_classes,
-        spatial_shape=tuple(data.spatial_shape),
+        spatial_shape=tuple(data.spatial_shape) if resize is None else resize.size,
         label_names=list(data.label_names),
         train_set=splits["train"],
         data_record=record,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from opacus.accountants import PRVAccountant
 
@@ -165,6 +166,9 @@ def _bad_npz(tmp_path: Path, **changes) -> Path:
         ("plan_exceeds", r"spends epsilon"),
         ("unknown_model", r"did you mean 'densenet121'"),
         ("config_typo", r"training.optimiser: unknown field \(did you mean 'optimizer'\?\)"),
+        ("network_too_deep", r"DenseNet121 fails on inputs of size 28x28.*data.resize"),
+        ("constant_output", r"features.norm5: GroupNorm normalises a single value per group"),
+        ("resize_axes", r"data.resize=\[64\]: must be 2 positive integers"),
     ],
 )
 def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, capsys):
@@ -199,6 +203,13 @@ def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, caps
         sections["model"] = {"name": "densnet121"}
     elif case == "config_typo":
         sections["training"] = {"optimiser": "sgd"}
+    elif case == "network_too_deep":
+        sections["model"] = {"name": "densenet121"}
+    elif case == "constant_output":  # 28x28 reaches 1x1 before the last dense block
+        kw = {"init_features": 8, "growth_rate": 4, "block_config": [1, 1, 1]}
+        sections["model"] = {"name": "densenet121", "kwargs": kw}
+    elif case == "resize_axes":
+        sections["data"] = {"resize": [64]}
     out = tmp_path / "run"
     code = main(["train", str(_config(tmp_path, **sections)), "--out", str(out)])
     err = capsys.readouterr().err
@@ -229,3 +240,23 @@ def test_public_proxy_is_labelled_as_external_data(tmp_path):
     assert pre["uses_private_data"] is False
     assert pre["external_data"]["path"].endswith("pneumoniamnist_balanced.npz")
     assert len(pre["external_data"]["sha256"]) == 64
+
+
+def test_resize_reaches_network_probes_and_report(tmp_path):
+    out = tmp_path / "rs"
+    cfg = _config(
+        tmp_path,
+        data={"resize": [32, 32], "max_train": 32, "max_eval": 16},
+        training={"epochs": 1, "batch_size": 16},
+    )
+    assert main(["train", str(cfg), "--out", str(out)]) == 0
+    rep = _report(out)
+    assert rep["data"]["resize"] == [32, 32]
+    assert rep["preconditioner"]["probe_source"]["spatial_shape"] == [32, 32]
+    from dpkfc_med.training.tasks import ResizeImage
+
+    img = torch.arange(28 * 28, dtype=torch.float32).reshape(1, 28, 28)
+    out_img = ResizeImage((32, 32))(img)
+    assert type(out_img) is torch.Tensor and out_img.shape == (1, 32, 32)
+    # bilinear resizing keeps a linear ramp's range
+    assert out_img.min() >= img.min() - 1e-4 and out_img.max() <= img.max() + 1e-4
