@@ -26,6 +26,7 @@ table is regenerated from it.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ def _run(base: dict[str, Any], method: str, lr: float, seed: int, runs_dir: Path
             },
         )
     )
+    shutil.rmtree(cfg.run_dir(), ignore_errors=True)  # a crashed earlier attempt of this run
     t0 = time.time()
     res = train(cfg)
     return {
