@@ -51,8 +51,10 @@ class LayerAdapter:
 
     Attributes:
         name: short adapter name shown in coverage summaries.
-        activations: ``(module, x) -> a`` with ``a`` of shape ``[B, T, G, n_a]`` (bias column
-            included as a trailing 1 when the layer has a bias).
+        activations: ``(module, x, *, max_positions=None, generator=None) -> a`` with ``a``
+            of shape ``[B, T, G, n_a]`` (bias column included as a trailing 1 when the layer
+            has a bias); convolutions keep only ``max_positions`` random positions when ``T``
+            is larger (factor estimation on large volumes).
         errors: ``(module, dy) -> delta`` of shape ``[B, T, G, n_g]``.
         to_params: ``(module, grads [B, G, n_g, n_a]) -> {param: [B, *param.shape]}``.
         from_params: ``(module, {param: [B, *param.shape]}) -> [B, G, n_g, n_a]``.
@@ -64,7 +66,7 @@ class LayerAdapter:
     """
 
     name: str
-    activations: Callable[[nn.Module, Tensor], Tensor]
+    activations: Callable[..., Tensor]
     errors: Callable[[nn.Module, Tensor], Tensor]
     to_params: Callable[[nn.Module, Tensor], dict[nn.Parameter, Tensor]]
     from_params: Callable[[nn.Module, dict[nn.Parameter, Tensor]], Tensor]
@@ -130,7 +132,8 @@ def _join_bias(module: Any, grads: dict[nn.Parameter, Tensor], w: Tensor) -> Ten
 # --------------------------------------------------------------------------------------- Linear
 
 
-def _linear_activations(module: Any, x: Tensor) -> Tensor:
+def _linear_activations(module: Any, x: Tensor, **sampling: Any) -> Tensor:
+    # Token counts are small next to voxel grids: positions are never subsampled here.
     a = x.reshape(x.shape[0], -1, x.shape[-1]).unsqueeze(2)
     return _append_one(a) if _has_bias(module) else a
 
@@ -172,11 +175,18 @@ def unfold_nd(
     kernel_size: tuple[int, ...],
     stride: tuple[int, ...],
     dilation: tuple[int, ...],
+    *,
+    max_positions: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> Tensor:
     """Unfold an already padded ``[B, C, *S]`` tensor into patches ``[B, L, C, prod(k)]``.
 
     One implementation for 1D/2D/3D (``torch.nn.functional.unfold`` is 2D-only); the patch
     order (channel, then kernel offsets in row-major order) matches ``weight.flatten(1)``.
+
+    With ``max_positions`` smaller than the number of output positions ``L``, only that many
+    positions, drawn uniformly without replacement by ``generator``, are copied out of the
+    (view-only) unfold: the patch tensor then costs ``max_positions`` rows instead of ``L``.
     """
     n = len(kernel_size)
     b, c = x.shape[:2]
@@ -185,11 +195,19 @@ def unfold_nd(
         x = x.unfold(2 + d, span, stride[d])
         if dilation[d] > 1:
             x = x[..., :: dilation[d]]
+    grid = tuple(x.shape[2 : 2 + n])
+    num_pos = math.prod(grid)
+    k = math.prod(kernel_size)
+    if max_positions is not None and num_pos > max_positions:
+        flat = torch.randperm(num_pos, generator=generator)[:max_positions].sort().values
+        index = torch.unravel_index(flat.to(x.device), grid)
+        # advanced indexing of the adjacent L dims: [B, C, P, k1..kn] -> [B, P, C, k1..kn]
+        picked = x[(slice(None), slice(None), *index)]
+        return picked.transpose(1, 2).reshape(b, max_positions, c, k)
     # x: [B, C, L1..Ln, k1..kn] -> [B, L1..Ln, C, k1..kn]
     perm = [0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n)]
     x = x.permute(perm)
-    num_pos = math.prod(x.shape[1 : 1 + n])
-    return x.reshape(b, num_pos, c, math.prod(kernel_size))
+    return x.reshape(b, num_pos, c, k)
 
 
 def _conv_padded_input(module: Any, x: Tensor) -> Tensor:
@@ -202,9 +220,9 @@ def _conv_padded_input(module: Any, x: Tensor) -> Tensor:
     return x
 
 
-def _conv_activations(module: Any, x: Tensor) -> Tensor:
+def _conv_activations(module: Any, x: Tensor, **sampling: Any) -> Tensor:
     x = _conv_padded_input(module, x)
-    patches = unfold_nd(x, module.kernel_size, module.stride, module.dilation)  # type: ignore[arg-type]
+    patches = unfold_nd(x, module.kernel_size, module.stride, module.dilation, **sampling)  # type: ignore[arg-type]
     b, num_pos, c, k = patches.shape
     g = module.groups  # type: ignore[union-attr]
     a = patches.reshape(b, num_pos, g, (c // g) * k)
@@ -248,7 +266,7 @@ CONV = register_adapter(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
 # --------------------------------------------------------------------------- ConvTransposeNd
 
 
-def _convt_activations(module: Any, x: Tensor) -> Tensor:
+def _convt_activations(module: Any, x: Tensor, **sampling: Any) -> Tensor:
     n = x.dim() - 2
     stride, dil = module.stride, module.dilation  # type: ignore[union-attr]
     k, pad, opad = module.kernel_size, module.padding, module.output_padding  # type: ignore[union-attr]
@@ -263,7 +281,7 @@ def _convt_activations(module: Any, x: Tensor) -> Tensor:
         lo = dil[d] * (k[d] - 1) - pad[d]
         pads += [lo, lo + opad[d]]
     z = F.pad(z, pads)
-    patches = unfold_nd(z, k, (1,) * n, dil)
+    patches = unfold_nd(z, k, (1,) * n, dil, **sampling)
     _, num_pos, _, kk = patches.shape
     g = module.groups  # type: ignore[union-attr]
     a = patches.reshape(b, num_pos, g, (c // g) * kk)

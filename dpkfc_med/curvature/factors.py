@@ -148,6 +148,8 @@ def capture_layers(
     layers: dict[str, nn.Module],
     *,
     need_errors: bool = True,
+    max_positions: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[CapturedLayer]:
     """Every covered layer's ``a`` and per-sample ``delta`` (adapter layout) on one chunk.
 
@@ -158,6 +160,9 @@ def capture_layers(
         loss_fn: per-sample loss ``[M]``; the sum over samples is differentiated.
         layers: covered layers by name.
         need_errors: run the backward pass (else ``delta`` is an empty tensor).
+        max_positions: keep at most this many random positions of each convolution's ``a``
+            (``delta`` keeps all positions); ``None`` keeps all.
+        generator: draws those positions.
     """
     raw = capture_raw(model, inputs, targets, loss_fn, layers, need_errors=need_errors)
     captured: list[CapturedLayer] = []
@@ -165,7 +170,7 @@ def capture_layers(
         adapter = adapter_for(module)
         assert adapter is not None  # guaranteed by covered_layers
         for x, dy in raw[name]:
-            a = adapter.activations(module, x)
+            a = adapter.activations(module, x, max_positions=max_positions, generator=generator)
             d = adapter.errors(module, dy) if dy is not None else a.new_zeros(0)
             captured.append(CapturedLayer(name, module, adapter, a, d))
     return captured
@@ -218,6 +223,8 @@ def estimate_factors(
     max_factor_dim: int = 4096,
     dtype: torch.dtype = torch.float64,
     need_g: bool = True,
+    max_positions: int | None = None,
+    position_seed: int = 0,
 ) -> dict[str, KroneckerFactors]:
     """Estimate ``A`` and ``G`` for every covered layer from probes.
 
@@ -236,6 +243,11 @@ def estimate_factors(
             of outer products is formed in the model's dtype).
         need_g: estimate ``G`` (a backward pass); without it only a forward pass runs and
             ``g`` is an empty tensor (A-only preconditioning).
+        max_positions: with ``"expand"``, a convolution's ``A`` averages over at most this
+            many positions per probe, drawn uniformly without replacement (an unbiased
+            estimate of the all-position mean at a fraction of the memory and time); ``G``
+            always sums over all positions. ``None`` uses all positions.
+        position_seed: seeds those draws (probes and seeds only: no private data).
 
     Returns:
         Factors by layer name. A module called several times per forward (weight sharing)
@@ -258,9 +270,22 @@ def estimate_factors(
     m_total = inputs.shape[0]
     if m_total == 0:
         raise ValueError("estimate_factors: the probe batch is empty; ask for num_probes >= 1")
+    if reduction is FactorReduction.REDUCE:
+        max_positions = None  # a per-sample mean over a subset would bias the reduce factor
+    gen = torch.Generator().manual_seed(position_seed)
     for start in range(0, m_total, chunk_size):
         x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
-        for cap in capture_layers(model, x, y, loss_fn, layers, need_errors=need_g):
+        captured = capture_layers(
+            model,
+            x,
+            y,
+            loss_fn,
+            layers,
+            need_errors=need_g,
+            max_positions=max_positions,
+            generator=gen,
+        )
+        for cap in captured:
             _accumulate(acc, cap.name, cap.a, cap.delta, reduction, max_factor_dim, dtype)
     out: dict[str, KroneckerFactors] = {}
     for name, (a_sum, g_sum) in acc.items():

@@ -113,6 +113,11 @@ class PreconditionerConfig:
         calibration_samples: probe samples used for the scale rule and diagonal fallback.
         max_factor_dim: factors larger than this are diagonal (memory rule).
         eig_dtype: ``"float64"`` or ``"float32"`` for the eigendecompositions.
+        max_positions: ``A`` of a convolution with more output positions per probe than this
+            averages over this many positions drawn at random (without replacement, seeded by
+            the refresh) instead of all of them: the same expectation, and the patch tensor
+            and ``A`` estimation of a 64^3 volume shrink 8x at the default. ``null`` = all.
+            Expand reduction only.
     """
 
     factors: FactorMode | str = FactorMode.A
@@ -127,6 +132,7 @@ class PreconditionerConfig:
     calibration_samples: int = 16
     max_factor_dim: int = 4096
     eig_dtype: str = "float64"
+    max_positions: int | None = 32768
 
     def __post_init__(self) -> None:
         self.factors = check_choice("preconditioner.factors", self.factors, FactorMode)
@@ -142,6 +148,11 @@ class PreconditionerConfig:
             v = getattr(self, key)
             if not (isinstance(v, int) and v >= 1):
                 problems.append(f"preconditioner.{key}={v!r}: must be a positive integer")
+        v = self.max_positions
+        if v is not None and not (isinstance(v, int) and v >= 1):
+            problems.append(
+                f"preconditioner.max_positions={v!r}: must be a positive integer or null (all)"
+            )
         if self.eig_dtype not in ("float64", "float32"):
             problems.append(
                 f"preconditioner.eig_dtype={self.eig_dtype!r}: use 'float64' or 'float32'"
@@ -240,6 +251,25 @@ class KroneckerBlock:
         """
         factored, materialized = self._cost(b, t)
         return "factored" if factored <= materialized else "materialized"
+
+    def raw_grads(self, x: Tensor, dy: Tensor, chunk: int = 1) -> Tensor:
+        """Untransformed per-sample gradients ``[B, G, n_g, n_a]`` from layer input/output error.
+
+        Layers with an unfold-free formula (transposed convolutions) use it; others unfold
+        ``chunk`` samples at a time, so a 64^3 volume never holds the whole batch's patches.
+        """
+        ad, module = self.adapter, self.module
+        if ad.param_grads is not None:
+            return ad.from_params(module, ad.param_grads(module, x, dy))
+        parts = [
+            torch.einsum(
+                "btgo,btgi->bgoi",
+                ad.errors(module, dy[s : s + chunk]),
+                ad.activations(module, x[s : s + chunk]),
+            )
+            for s in range(0, x.shape[0], chunk)
+        ]
+        return torch.cat(parts)
 
     def transform_grads(self, grads: Tensor) -> Tensor:
         """``[B, G, n_g, n_a] -> s U_G grads U_A`` (the literal per-sample product)."""
@@ -367,6 +397,7 @@ class KroneckerPreconditioner:
         config: PreconditionerConfig | None = None,
         *,
         keep_factors: bool = False,
+        position_seed: int = 0,
     ) -> KroneckerPreconditioner:
         """Estimate factors on probes, invert them and normalise the scale.
 
@@ -377,6 +408,7 @@ class KroneckerPreconditioner:
             loss_fn: per-sample loss ``(outputs, targets) -> [M]``.
             config: settings.
             keep_factors: keep ``A``/``G`` on the object (for spectra in notebooks).
+            position_seed: seed of the positions drawn under ``config.max_positions``.
         """
         cfg = config or PreconditionerConfig()
         if torch.is_floating_point(inputs) and not bool(torch.isfinite(inputs).all()):
@@ -402,6 +434,8 @@ class KroneckerPreconditioner:
                 max_factor_dim=cfg.max_factor_dim,
                 dtype=eig_dtype,
                 need_g=cfg.factors is FactorMode.AG,
+                max_positions=cfg.max_positions,
+                position_seed=position_seed,
             )
         t_factors = time.perf_counter() - t0
         for name, module in covered.items():
@@ -451,12 +485,11 @@ class KroneckerPreconditioner:
             k: m for k, m in owners.items() if type(m) in _OPACUS_SAMPLERS and k not in covered
         }
         raw_pairs = capture_raw(model, x, y, loss_fn, {**covered, **owners})
-        for name, module in covered.items():
+        for name in covered:
             block = self.blocks[name]
             for xa, dy in raw_pairs[name]:
                 assert dy is not None
-                a, d = block.adapter.activations(module, xa), block.adapter.errors(module, dy)
-                raw = torch.einsum("btgo,btgi->bgoi", d, a)
+                raw = block.raw_grads(xa, dy)
                 saved, block.scale = block.scale, 1.0
                 trans = block.transform_grads(raw)
                 block.scale = saved

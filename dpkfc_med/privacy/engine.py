@@ -344,7 +344,12 @@ class PrivacyEngine:
                     dtype=ref.dtype,
                 )
                 pre = KroneckerPreconditioner.from_probes(
-                    model, inputs, targets, self.probe_loss, self.preconditioner_config
+                    model,
+                    inputs,
+                    targets,
+                    self.probe_loss,
+                    self.preconditioner_config,
+                    position_seed=seed,
                 )
         finally:
             self.module.enable_hooks()

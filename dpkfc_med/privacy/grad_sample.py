@@ -61,7 +61,7 @@ def _preconditioned_sampler(
     if adapter.param_grads is not None:
         # Direct per-sample gradients (transposed convs: no zero-inserted unfold), then the
         # literal transform s U_G g U_A.
-        raw = adapter.from_params(module, adapter.param_grads(module, x, backprops))
+        raw = block.raw_grads(x, backprops)
         grads = block.transform_grads(raw)
         raw_sq = raw[:m].pow(2).flatten(1).sum(1)
     else:

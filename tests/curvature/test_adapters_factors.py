@@ -244,3 +244,38 @@ def test_estimation_never_touches_grad_or_grad_sample(float64):
     estimate_factors(net, x, y, lambda o, t: F.cross_entropy(o, t, reduction="none"))
     for p, (g, gs) in sentinel.items():
         assert torch.equal(p.grad, g) and torch.equal(p.grad_sample, gs)
+
+
+@pytest.mark.parametrize("case", ["conv3d", "convt2d_grouped", "conv2d_strided"])
+def test_position_sampled_a_factor_is_the_mean_over_the_drawn_positions(case, float64):
+    """``max_positions``: A averages over the drawn positions only; G keeps all of them."""
+    make, shape = LAYERS[case]
+    torch.manual_seed(4)
+    module = make()
+    adapter = adapter_for(module)
+    x = torch.randn(*shape)
+    r = torch.randn_like(module(x))
+    full = estimate_factors(module, x, r, _loss, layers={"l": module}, chunk_size=len(x))["l"]
+    a_all = adapter.activations(module, x)
+    t = a_all.shape[1]
+    k = max(1, t // 3)
+    sub = estimate_factors(
+        module,
+        x,
+        r,
+        _loss,
+        layers={"l": module},
+        chunk_size=len(x),
+        max_positions=k,
+        position_seed=7,
+    )["l"]
+    idx = torch.randperm(t, generator=torch.Generator().manual_seed(7))[:k].sort().values
+    a = a_all[:, idx]
+    want = torch.einsum("mtgi,mtgj->gij", a, a) / (len(x) * k)
+    torch.testing.assert_close(sub.a, want)
+    torch.testing.assert_close(sub.g, full.g)
+    # enough positions: exactly the all-position estimate
+    same = estimate_factors(
+        module, x, r, _loss, layers={"l": module}, chunk_size=len(x), max_positions=t
+    )["l"]
+    torch.testing.assert_close(same.a, full.a, rtol=0, atol=0)
