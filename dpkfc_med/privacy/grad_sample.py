@@ -41,7 +41,7 @@ def _sample_chunk(batch: int) -> int:
     once; in quarters of the batch that stays below the single full-batch unfold Opacus' own
     conv sampler makes, at the price of a few more (still large) matrix products.
     """
-    return max(RAW_NORM_SAMPLES, -(-batch // 4))
+    return max(1, -(-batch // 4))
 
 
 def _preconditioned_sampler(
@@ -69,16 +69,18 @@ def _preconditioned_sampler(
         g, n_a, n_g = block.dims
         grads = x.new_empty(b, g, n_g, n_a)
         step = _sample_chunk(b)
-        raw_sq = x.new_zeros(0)
+        raw_parts: list[Tensor] = []
         for start in range(0, b, step):
             sl = slice(start, start + step)
             a = adapter.activations(module, x[sl])
             d = adapter.errors(module, backprops[sl])
             grads[sl], raw = block.per_sample_grads(a, d)
-            if start == 0:  # diagnostics: raw norms of the first samples
+            need = m - start
+            if need > 0:  # diagnostics: raw norms of the first m samples
                 if raw is None:
-                    raw = torch.einsum("btgo,btgi->bgoi", d[:m], a[:m])
-                raw_sq = raw[:m].pow(2).flatten(1).sum(1)
+                    raw = torch.einsum("btgo,btgi->bgoi", d[:need], a[:need])
+                raw_parts.append(raw[:need].pow(2).flatten(1).sum(1))
+        raw_sq = torch.cat(raw_parts)
     module._dpkfc_raw_sq = raw_sq  # type: ignore[assignment]
     return adapter.to_params(module, grads)
 
