@@ -39,9 +39,12 @@ def _sample_chunk(batch: int) -> int:
 
     The factored path holds the unfolded input, its transform and the transformed errors at
     once; in quarters of the batch that stays below the single full-batch unfold Opacus' own
-    conv sampler makes, at the price of a few more (still large) matrix products.
+    conv sampler makes, at the price of a few more (still large) matrix products. Chunks
+    stay at least 16 samples: on the UNet 3D at 64^3 and batch 8, chunks of 2 cut the step's
+    peak memory from 1.7x to 1.0x Opacus' but cost 1.29x instead of 1.10x its step time,
+    while the refresh, not the step, sets dp-kfc's peak there.
     """
-    return max(1, -(-batch // 4))
+    return max(RAW_NORM_SAMPLES, -(-batch // 4))
 
 
 def _preconditioned_sampler(

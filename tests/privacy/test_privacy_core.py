@@ -358,7 +358,7 @@ def test_singular_factor_inverse_root():
 def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(float64):
     """Covered layers' grad_sample = s U_G g_i U_A of brute-force per-sample gradients.
 
-    40 samples run through the sampler in four chunks of 10; the first 16 raw norms kept for
+    40 samples run through the sampler in chunks (16, 16, 8); the first 16 raw norms kept for
     diagnostics are the untransformed per-sample norms.
     """
     torch.manual_seed(9)
