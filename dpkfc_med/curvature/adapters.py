@@ -202,7 +202,7 @@ def unfold_nd(
         flat = torch.randperm(num_pos, generator=generator)[:max_positions].sort().values
         index = torch.unravel_index(flat.to(x.device), grid)
         # advanced indexing of the adjacent L dims: [B, C, P, k1..kn] -> [B, P, C, k1..kn]
-        picked = x[(slice(None), slice(None), *index)]
+        picked = x[(slice(None), slice(None), *index)]  # type: ignore[index]
         return picked.transpose(1, 2).reshape(b, max_positions, c, k)
     # x: [B, C, L1..Ln, k1..kn] -> [B, L1..Ln, C, k1..kn]
     perm = [0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n)]

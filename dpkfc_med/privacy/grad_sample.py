@@ -77,12 +77,12 @@ def _preconditioned_sampler(
             sl = slice(start, start + step)
             a = adapter.activations(module, x[sl])
             d = adapter.errors(module, backprops[sl])
-            grads[sl], raw = block.per_sample_grads(a, d)
+            grads[sl], part = block.per_sample_grads(a, d)
             need = m - start
             if need > 0:  # diagnostics: raw norms of the first m samples
-                if raw is None:
-                    raw = torch.einsum("btgo,btgi->bgoi", d[:need], a[:need])
-                raw_parts.append(raw[:need].pow(2).flatten(1).sum(1))
+                if part is None:
+                    part = torch.einsum("btgo,btgi->bgoi", d[:need], a[:need])
+                raw_parts.append(part[:need].pow(2).flatten(1).sum(1))
         raw_sq = torch.cat(raw_parts)
     module._dpkfc_raw_sq = raw_sq  # type: ignore[assignment]
     return adapter.to_params(module, grads)
