@@ -509,7 +509,10 @@ def check_input_size(model: nn.Module, input_shape: tuple[int, ...]) -> None:
     was_training = model.training
     try:
         ref = next(model.parameters(), None)
-        x = torch.randn(2, *input_shape, device=None if ref is None else ref.device)
+        # A private generator: the check must not move the training RNG.
+        x = torch.randn(2, *input_shape, generator=torch.Generator().manual_seed(0))
+        if ref is not None:
+            x = x.to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
             model.eval()
             model(x)

@@ -380,3 +380,16 @@ def test_out_of_place_residual_forward_matches_monai(name: str) -> None:
     assert any("out += residual" in f.before for f in fixes)
     torch.testing.assert_close(fixed(x.clone()), expected, rtol=0, atol=0)
     validate_private_compatible(fixed)
+
+
+def test_input_size_check_passes_fitting_nets_and_leaves_the_rng_alone() -> None:
+    from dpkfc_med.models import build_model, check_input_size
+
+    model, _ = build_model("small_cnn", spatial_dims=2, in_channels=1, out_channels=2)
+    state = torch.get_rng_state()
+    check_input_size(model, (1, 28, 28))
+    assert torch.equal(torch.get_rng_state(), state)
+    deep, _ = build_model("densenet121", spatial_dims=2, in_channels=1, out_channels=2)
+    check_input_size(deep, (1, 64, 64))  # 64x64 fits; 28x28 is refused (CLI tests)
+    with pytest.raises(ModelCompatibilityError, match="fails on inputs of size 28x28"):
+        check_input_size(deep, (1, 28, 28))
