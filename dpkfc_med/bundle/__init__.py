@@ -1,1 +1,0 @@
-"""MONAI bundle integration."""
