@@ -822,28 +822,27 @@ def measure_memory_job(job: dict[str, Any]) -> dict[str, Any]:
     shape = tuple(job["shape"])
     kfc = dict(job.get("kfc") or {})
     mem = _MemoryProbe(device)
+    seed = job["seed"]
+
+    def model_and_batch() -> tuple[nn.Module, Tensor, Tensor]:
+        model, _ = build_network(case, seed)
+        x, y = make_batch(case, job["batch"], shape, seed)
+        return model.to(device), x.to(device), y.to(device)
+
     # Warm-up on a throwaway copy: one set-up and step of the same method, then freed, so that
     # one-time library initialisation (BLAS/LAPACK workspaces, FFT plans, oneDNN primitives)
     # is not charged to any method; the measured set-up and steps below start warm.
-    warm_model, _ = build_network(case, job["seed"])
-    warm_model = warm_model.to(device)
-    wx, wy = make_batch(case, job["batch"], shape, job["seed"])
-    warm = setup_method(
-        job["method"], case, warm_model, wx.to(device), wy.to(device), shape, job["seed"], kfc
-    )
+    warm = setup_method(job["method"], case, *model_and_batch(), shape, seed, kfc)
     warm.step()
     warm.release()
-    del warm, warm_model, wx, wy
+    del warm
     gc.collect()
-    model, _ = build_network(case, job["seed"])
-    model = model.to(device)
-    x, y = make_batch(case, job["batch"], shape, job["seed"])
-    x, y = x.to(device), y.to(device)
+    model, x, y = model_and_batch()
     _sync(device)
     _trim()
     baseline = mem.current()
     mem.reset()
-    runner = setup_method(job["method"], case, model, x, y, shape, job["seed"], kfc)
+    runner = setup_method(job["method"], case, model, x, y, shape, seed, kfc)
     _sync(device)
     setup_peak = mem.peak()
     _trim()

@@ -255,27 +255,21 @@ def test_position_sampled_a_factor_is_the_mean_over_the_drawn_positions(case, fl
     adapter = adapter_for(module)
     x = torch.randn(*shape)
     r = torch.randn_like(module(x))
-    full = estimate_factors(module, x, r, _loss, layers={"l": module}, chunk_size=len(x))["l"]
+
+    def factors(**kw):
+        out = estimate_factors(module, x, r, _loss, layers={"l": module}, chunk_size=len(x), **kw)
+        return out["l"]
+
+    full = factors()
     a_all = adapter.activations(module, x)
     t = a_all.shape[1]
     k = max(1, t // 3)
-    sub = estimate_factors(
-        module,
-        x,
-        r,
-        _loss,
-        layers={"l": module},
-        chunk_size=len(x),
-        max_positions=k,
-        position_seed=7,
-    )["l"]
+    sub = factors(max_positions=k, position_seed=7)
     idx = torch.randperm(t, generator=torch.Generator().manual_seed(7))[:k].sort().values
     a = a_all[:, idx]
     want = torch.einsum("mtgi,mtgj->gij", a, a) / (len(x) * k)
     torch.testing.assert_close(sub.a, want)
     torch.testing.assert_close(sub.g, full.g)
     # enough positions: exactly the all-position estimate
-    same = estimate_factors(
-        module, x, r, _loss, layers={"l": module}, chunk_size=len(x), max_positions=t
-    )["l"]
+    same = factors(max_positions=t)
     torch.testing.assert_close(same.a, full.a, rtol=0, atol=0)
