@@ -223,14 +223,31 @@ def _save(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _best_lr(data: dict[str, Any], method: str, eps: float | None) -> float | None:
+    """The grid learning rate with the best validation AUROC in the tuning runs (None if none)."""
+    grid = set(data.get("lrs", []))
+    tune = [
+        r
+        for r in data["runs"]
+        if r["phase"] == "tune" and (r["method"], r["eps"]) == (method, eps) and r["lr"] in grid
+    ]
+    return max(tune, key=lambda r: r["val"]["auroc"])["lr"] if tune else None
+
+
 def summarize(data: dict[str, Any]) -> str:
-    """Markdown table: mean +- std over evaluation seeds of test accuracy and AUROC."""
+    """Markdown table: mean +- std over evaluation seeds of test accuracy and AUROC.
+
+    Only evaluation runs at the learning rate the current grid chooses are counted, so a grid
+    widened after some evaluations never mixes learning rates in one row.
+    """
     rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
     chosen: dict[tuple[str, float], float] = {}
     for r in data["runs"]:
-        if r["phase"] == "eval":
-            rows.setdefault((r["method"], r["eps"]), []).append(r)
-            chosen[(r["method"], r["eps"])] = r["lr"]
+        key = (r["method"], r["eps"])
+        if key not in chosen:
+            chosen[key] = _best_lr(data, *key)  # type: ignore[assignment]
+        if r["phase"] == "eval" and r["lr"] == chosen[key]:
+            rows.setdefault(key, []).append(r)
     lines = [
         f"## {data.get('suite')} (test split; mean +- std over seeds {data.get('seeds')})",
         "",
@@ -316,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
             e = None if method == "nonprivate" else eps
             if method == "nonprivate" and eps != eps_list[0]:
                 continue
-            tune = []
             for lr in lrs:
                 key = ("tune", method, e, lr, 0)
                 if key not in done:
@@ -342,12 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"tune {method} eps={e} lr={lr}: val auroc {res['metrics']['val']['auroc']:.3f}",
                         flush=True,
                     )
-                tune += [
-                    r
-                    for r in data["runs"]
-                    if (r["phase"], r["method"], r["eps"], r["lr"]) == ("tune", method, e, lr)
-                ]
-            best_lr = max(tune, key=lambda r: r["val"]["auroc"])["lr"]
+            best_lr = _best_lr(data, method, e)
             for seed in seeds:
                 key = ("eval", method, e, best_lr, seed)
                 if key in done:

@@ -112,7 +112,11 @@ class PreconditionerConfig:
         chunk_size: probes per forward/backward pass.
         calibration_samples: probe samples used for the scale rule and diagonal fallback.
         max_factor_dim: factors larger than this are diagonal (memory rule).
-        eig_dtype: ``"float64"`` or ``"float32"`` for the eigendecompositions.
+        eig_dtype: ``"float32"`` (default) or ``"float64"`` for the eigendecompositions
+            (factors are always summed over chunks in float64; a float64 model always gets
+            float64 decompositions). float32 is 2-3x faster on
+            CPU; on the small CNN's probe factors (damping 1e-3) transformed per-sample norms
+            differ from float64's by < 0.1% (``tests/test_preconditioner.py``).
         max_positions: ``A`` of a convolution with more output positions per probe than this
             averages over this many positions drawn at random (without replacement, seeded by
             the refresh) instead of all of them: the same expectation, and the patch tensor
@@ -131,7 +135,7 @@ class PreconditionerConfig:
     chunk_size: int = 64
     calibration_samples: int = 16
     max_factor_dim: int = 4096
-    eig_dtype: str = "float64"
+    eig_dtype: str = "float32"
     max_positions: int | None = 32768
 
     def __post_init__(self) -> None:
@@ -432,7 +436,7 @@ class KroneckerPreconditioner:
                 reduction=cfg.reduction,
                 chunk_size=cfg.chunk_size,
                 max_factor_dim=cfg.max_factor_dim,
-                dtype=eig_dtype,
+                dtype=torch.float64,
                 need_g=cfg.factors is FactorMode.AG,
                 max_positions=cfg.max_positions,
                 position_seed=position_seed,
@@ -445,11 +449,13 @@ class KroneckerPreconditioner:
             if name in factors:
                 f = factors[name]
                 ref: Tensor = module.weight  # type: ignore[assignment]
-                u_a, ev_a = inverse_sqrt_with_spectrum(f.a, cfg.damping_a)
+                # a float64 model gets float64 decompositions whatever eig_dtype says
+                dt = torch.promote_types(eig_dtype, ref.dtype)
+                u_a, ev_a = inverse_sqrt_with_spectrum(f.a.to(dt), cfg.damping_a)
                 u_a = u_a.to(ref.dtype)
                 spectra[name] = {"A": _spectrum_stats(ev_a)}
                 if cfg.factors is FactorMode.AG:
-                    u_g, ev_g = inverse_sqrt_with_spectrum(f.g, cfg.damping_g)
+                    u_g, ev_g = inverse_sqrt_with_spectrum(f.g.to(dt), cfg.damping_g)
                     u_g = u_g.to(ref.dtype)
                     spectra[name]["G"] = _spectrum_stats(ev_g)
             blocks[name] = KroneckerBlock(name, module, adapter, u_a, u_g)
