@@ -210,7 +210,27 @@ def _apply_right(x: Tensor, u: Tensor | None) -> Tensor:
         return x
     if u.dim() == 2:
         return x * u
+    if u.shape[0] == 1:  # ungrouped: one plain matmul, no einsum permute copies (~1.5x on CPU)
+        return x @ u[0]
     return torch.einsum("...gi,gij->...gj", x, u)
+
+
+def _grads_times(x: Tensor, u: Tensor) -> Tensor:
+    """``x [B, G, r, n] @ U [G, n, n]`` per group (plain matmul when ``G = 1``)."""
+    if u.shape[0] == 1:
+        return x @ u[0]
+    return torch.einsum("bgoi,gij->bgoj", x, u)
+
+
+def outer_sum(delta: Tensor, a: Tensor) -> Tensor:
+    """Per-sample ``sum_t delta_t a_t^T``: ``[B, T, G, n_g], [B, T, G, n_a] -> [B, G, n_g, n_a]``.
+
+    A batched matmul over ``(B, G)``; for ``G = 1`` it skips the permute copies an einsum makes
+    (2x faster on CPU for the small CNN's conv2).
+    """
+    if a.shape[2] == 1:
+        return (delta[:, :, 0].transpose(1, 2) @ a[:, :, 0]).unsqueeze(1)
+    return torch.einsum("btgo,btgi->bgoi", delta, a)
 
 
 @dataclass
@@ -266,10 +286,8 @@ class KroneckerBlock:
         if ad.param_grads is not None:
             return ad.from_params(module, ad.param_grads(module, x, dy))
         parts = [
-            torch.einsum(
-                "btgo,btgi->bgoi",
-                ad.errors(module, dy[s : s + chunk]),
-                ad.activations(module, x[s : s + chunk]),
+            outer_sum(
+                ad.errors(module, dy[s : s + chunk]), ad.activations(module, x[s : s + chunk])
             )
             for s in range(0, x.shape[0], chunk)
         ]
@@ -282,12 +300,13 @@ class KroneckerBlock:
             if self.u_a.dim() == 2:
                 out = out * self.u_a.unsqueeze(1)
             else:
-                out = torch.einsum("bgoi,gij->bgoj", out, self.u_a)
+                out = _grads_times(out, self.u_a)
         if self.u_g is not None:
             if self.u_g.dim() == 2:
                 out = out * self.u_g.unsqueeze(-1)
             else:
-                out = torch.einsum("gij,bgjk->bgik", self.u_g, out)
+                # U_G symmetric: U_G X = (X^T U_G)^T, a right product again
+                out = _grads_times(out.transpose(-1, -2), self.u_g).transpose(-1, -2)
         return out * self.scale if self.scale != 1.0 else out
 
     def per_sample_grads(
@@ -308,9 +327,9 @@ class KroneckerBlock:
         if path == "factored":
             a_t = _apply_right(a, self.u_a)
             d_t = _apply_right(delta, self.u_g)
-            out = torch.einsum("btgo,btgi->bgoi", d_t, a_t)
+            out = outer_sum(d_t, a_t)
             return (out * self.scale if self.scale != 1.0 else out), None
-        raw = torch.einsum("btgo,btgi->bgoi", delta, a)
+        raw = outer_sum(delta, a)
         return self.transform_grads(raw), raw
 
 

@@ -21,7 +21,7 @@ from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for, supported_layer_types
-from dpkfc_med.curvature.preconditioner import KroneckerBlock
+from dpkfc_med.curvature.preconditioner import KroneckerBlock, outer_sum
 
 __all__ = ["PreconditionedGradSampleModule", "RAW_NORM_SAMPLES"]
 
@@ -81,7 +81,7 @@ def _preconditioned_sampler(
             need = m - start
             if need > 0:  # diagnostics: raw norms of the first m samples
                 if part is None:
-                    part = torch.einsum("btgo,btgi->bgoi", d[:need], a[:need])
+                    part = outer_sum(d[:need], a[:need])
                 raw_parts.append(part[:need].pow(2).flatten(1).sum(1))
         raw_sq = torch.cat(raw_parts)
     module._dpkfc_raw_sq = raw_sq  # type: ignore[assignment]
