@@ -77,6 +77,11 @@ METHODS: dict[str, dict[str, Any]] = {
     "dp-kfc": {"method": "dp-kfc"},  # the shipped default preconditioner
     "dp-kfc-white": {"method": "dp-kfc-white"},
     "dp-kfc-ag": {"method": "dp-kfc", "preconditioner": {"factors": "ag", "damping_g": 0.1}},
+    # per-layer norm balancing: each layer's median transformed norm set equal on probes
+    "dp-kfc-perlayer": {"method": "dp-kfc", "preconditioner": {"scaling": "per_layer"}},
+    # DP-AdamBC post-privatization optimizer (Adam learning-rate grid, its own JSON)
+    "dp-sgd-adambc": {"method": "dp-sgd", "training": {"optimizer": "adambc"}},
+    "dp-kfc-adambc": {"method": "dp-kfc", "training": {"optimizer": "adambc"}},
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},

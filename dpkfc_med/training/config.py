@@ -135,13 +135,22 @@ class PrivacyConfig:
 
 @dataclass
 class TrainingConfig:
-    """Optimisation settings."""
+    """Optimisation settings.
+
+    Attributes:
+        optimizer: ``sgd`` (with ``momentum``), ``adam``, or ``adambc`` (DP-AdamBC: Adam with
+            the DP-noise variance ``(sigma C / B)^2`` subtracted from its second moment,
+            :mod:`dpkfc_med.privacy.adambc`; plain Adam when non-private).
+        adambc_gamma: floor of DP-AdamBC's corrected second moment; ``null`` = the noise
+            variance itself (1e-8 when non-private).
+    """
 
     epochs: int = 5
     batch_size: int = 256
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
+    adambc_gamma: float | None = None
     weight_decay: float = 0.0
     seed: int = 0
     eval_batch_size: int = 256
@@ -213,7 +222,7 @@ class RunConfig:
 _CHOICES: dict[str, list[str]] = {
     "method": [m.value for m in Method],
     "data.task": ["classification", "segmentation"],
-    "training.optimizer": ["sgd", "adam"],
+    "training.optimizer": ["sgd", "adam", "adambc"],
     "training.device": ["cpu", "cuda", "auto"],
     "privacy.accountant": ["prv", "rdp"],
     "probes.target": ["uniform", "model"],
@@ -225,6 +234,7 @@ _POSITIVE = {
     "training.epochs",
     "training.batch_size",
     "training.lr",
+    "training.adambc_gamma",
     "training.eval_batch_size",
     "probes.num_probes",
     "data.patches_per_unit",

@@ -47,6 +47,7 @@ from dpkfc_med.privacy.accounting import (
     calibrate_noise_multiplier,
     epsilon_for,
 )
+from dpkfc_med.privacy.adambc import DPAdamBC, noise_variance_of
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.tasks import Task, build_task
@@ -205,6 +206,9 @@ def _make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     t = cfg.training
     if t.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    if t.optimizer == "adambc":  # noise variance and default floor are set once sigma is known
+        gamma = t.adambc_gamma if t.adambc_gamma is not None else 1e-8
+        return DPAdamBC(model.parameters(), lr=t.lr, gamma=gamma, weight_decay=t.weight_decay)
     return torch.optim.SGD(
         model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
@@ -330,6 +334,15 @@ def train(
             ledger_path=None if resume else ledger_path,
             **kw,
         )
+        if isinstance(optimizer, DPAdamBC):
+            phi = noise_variance_of(
+                popt.noise_multiplier, popt.max_grad_norm, popt.expected_batch_size
+            )
+            gamma = cfg.training.adambc_gamma
+            for group in optimizer.param_groups:
+                group["noise_variance"] = phi
+                group["gamma"] = gamma if gamma is not None else (phi if phi > 0 else 1e-8)
+            log.info("DP-AdamBC: noise variance (sigma C / B)^2 = %.3g subtracted", phi)
         if resume:
             _restore(state, ckpt_path, model, popt, engine, previous, ledger_path)
         else:

@@ -260,3 +260,15 @@ def test_resize_reaches_network_probes_and_report(tmp_path):
     assert type(out_img) is torch.Tensor and out_img.shape == (1, 32, 32)
     # bilinear resizing keeps a linear ramp's range
     assert out_img.min() >= img.min() - 1e-4 and out_img.max() <= img.max() + 1e-4
+
+
+def test_adambc_subtracts_the_runs_own_noise_variance(tmp_path):
+    """training.optimizer=adambc: Phi = (sigma C / B)^2 of the run, gamma defaults to Phi."""
+    out = tmp_path / "run"
+    cfg = _config(tmp_path, training={"optimizer": "adambc", "lr": 0.003, "epochs": 1})
+    assert main(["train", str(cfg), "--out", str(out)]) == 0
+    p = _report(out)["privacy"]
+    phi = (p["noise_multiplier"] * 1.0 / 32) ** 2
+    groups = torch.load(out / "checkpoint.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert groups[0]["noise_variance"] == pytest.approx(phi, rel=1e-12)
+    assert groups[0]["gamma"] == pytest.approx(phi, rel=1e-12)
