@@ -292,6 +292,8 @@ def summarize(data: dict[str, Any]) -> str:
                 f"| {r['method']} | {eps_txt} | {r['lr']:g} | {r['val']['auroc']:.3f} | "
                 f"{r['val']['accuracy']:.3f} |"
             )
+    commits = sorted({str(r.get("git_commit", "not recorded"))[:12] for r in data["runs"]})
+    lines += ["", f"Runs made at git commits: {', '.join(commits)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -356,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                             "test": _short(res["metrics"]["test"]),
                             "epsilon": res["epsilon"],
                             "seconds": time.time() - t0,
+                            "git_commit": data["git_commit"],
                         }
                     )
                     _save(out, data)
@@ -385,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                         "noise_multiplier": res.get("noise_multiplier"),
                         "diagnostics": res.get("diagnostics"),
                         "seconds": time.time() - t0,
+                        "git_commit": data["git_commit"],
                     }
                 )
                 _save(out, data)
