@@ -8,9 +8,10 @@ Other suites: ``pneumonia_densenet`` (a reduced MONAI DenseNet), ``adrenal3d_cnn
 (AdrenalMNIST3D at epsilon 8). ``--quick`` runs a tiny slice (smoke test only).
 
 Tuning protocol (identical for every method): SGD with momentum 0.9, clip norm C = 1, expected
-batch 256 (suite-specific), a grid of learning rates ``--lrs`` (default 0.05, 0.2) run with
-the tuning seed 0 and scored by validation AUROC; the chosen learning rate is then run with
-the evaluation seeds and scored on the test split. Model selection inside a run (best epoch by
+batch 256 (suite-specific), a grid of learning rates ``--lrs`` (default 0.02, 0.05, 0.1, 0.2,
+0.5; the DP-AdamBC variants use the Adam grid ``ADAM_LRS`` = 0.001, 0.003, 0.01, 0.03 instead)
+run with the tuning seed 0 and scored by validation AUROC; the chosen learning rate is then run
+with the evaluation seeds and scored on the test split. Model selection inside a run (best epoch by
 validation AUROC) is the same for every method. Tuning and selection look at private
 validation data and are NOT covered by the reported epsilon.
 
@@ -70,6 +71,9 @@ SUITES: dict[str, dict[str, Any]] = {
     },
 }
 
+ADAM_LRS = [0.001, 0.003, 0.01, 0.03]
+"""Learning-rate grid of the DP-AdamBC variants (Adam-scale steps), for every such method."""
+
 METHODS: dict[str, dict[str, Any]] = {
     "nonprivate": {"method": "nonprivate"},
     "opacus": {"method": "opacus"},  # Opacus' own PrivacyEngine, none of our privacy code
@@ -80,8 +84,16 @@ METHODS: dict[str, dict[str, Any]] = {
     # per-layer norm balancing: each layer's median transformed norm set equal on probes
     "dp-kfc-perlayer": {"method": "dp-kfc", "preconditioner": {"scaling": "per_layer"}},
     # DP-AdamBC post-privatization optimizer (Adam learning-rate grid, its own JSON)
-    "dp-sgd-adambc": {"method": "dp-sgd", "training": {"optimizer": "adambc"}},
-    "dp-kfc-adambc": {"method": "dp-kfc", "training": {"optimizer": "adambc"}},
+    "dp-sgd-adambc": {
+        "method": "dp-sgd",
+        "training": {"optimizer": "adambc"},
+        "lrs": ADAM_LRS,
+    },
+    "dp-kfc-adambc": {
+        "method": "dp-kfc",
+        "training": {"optimizer": "adambc"},
+        "lrs": ADAM_LRS,
+    },
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},
@@ -100,7 +112,7 @@ def _config(
     suite: str, method: str, eps: float, lr: float, seed: int, quick: bool, out: Path
 ) -> dict:
     spec = METHODS[method]
-    cfg = _merge(SUITES[suite], {k: v for k, v in spec.items() if k != "method"})
+    cfg = _merge(SUITES[suite], {k: v for k, v in spec.items() if k not in ("method", "lrs")})
     cfg = _merge(
         cfg,
         {
@@ -228,9 +240,14 @@ def _save(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _grid(sgd_lrs: list[float], method: str) -> list[float]:
+    """The method's learning-rate grid: its own (Adam-type optimizers) or the SGD grid."""
+    return list(METHODS[method].get("lrs", sgd_lrs))
+
+
 def _best_lr(data: dict[str, Any], method: str, eps: float | None) -> float | None:
     """The grid learning rate with the best validation AUROC in the tuning runs (None if none)."""
-    grid = set(data.get("lrs", []))
+    grid = set(_grid(data.get("lrs", []), method))
     tune = [
         r
         for r in data["runs"]
@@ -305,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", default="pneumonia_cnn", choices=sorted(SUITES))
     p.add_argument("--eps", default="1,8")
     p.add_argument("--methods", default="nonprivate,opacus,dp-sgd,dp-kfc,dp-kfc-white")
-    p.add_argument("--lrs", default="0.05,0.2")
+    p.add_argument("--lrs", default="0.02,0.05,0.1,0.2,0.5", help="SGD learning-rate grid")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=2)
@@ -340,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             e = None if method == "nonprivate" else eps
             if method == "nonprivate" and eps != eps_list[0]:
                 continue
-            for lr in lrs:
+            for lr in _grid(lrs, method):
                 key = ("tune", method, e, lr, 0)
                 if key not in done:
                     t0 = time.time()
