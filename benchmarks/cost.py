@@ -334,14 +334,19 @@ def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[d
     return rows
 
 
-def refresh_bytes_per_probe(rows: list[dict[str, Any]]) -> int:
+def refresh_bytes_per_probe(rows: list[dict[str, Any]], max_positions: int | None) -> int:
     """Estimated refresh memory per probe of one chunk.
 
-    ``capture_layers`` keeps the unfolded inputs and output errors of every covered layer of
-    the chunk (float32), and ``estimate_factors`` converts one layer at a time to float64.
+    The forward pass keeps every covered layer's input (about the previous layer's output,
+    ``T * G * n_g`` floats) and output error; ``capture_layers`` then unfolds one layer at a
+    time (at most ``max_positions`` positions of ``a``), all in float32.
     """
-    per_layer = [r["T"] * r["G"] * (r["n_a"] + r["n_g"]) for r in rows]
-    return 4 * sum(per_layer) + 8 * max(per_layer, default=0)
+    outputs = [r["T"] * r["G"] * r["n_g"] for r in rows]
+    patches = [
+        min(r["T"], max_positions or r["T"]) * r["G"] * r["n_a"] + r["T"] * r["G"] * r["n_g"]
+        for r in rows
+    ]
+    return 4 * (2 * sum(outputs) + max(patches, default=0))
 
 
 def step_bytes_per_sample(rows: list[dict[str, Any]]) -> int:
@@ -1367,7 +1372,9 @@ def plan_model(
     plan.steps = args.steps if args.steps is not None else (2 if quick else 8)
     plan.warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     rows = layer_footprint(case, setting.shape, args.seed)
-    per_probe = refresh_bytes_per_probe(rows)
+    per_probe = refresh_bytes_per_probe(
+        rows, kfc.get("max_positions", default_kfc_config()["max_positions"])
+    )
     per_sample = step_bytes_per_sample(rows)
     avail = available_bytes(device)
     default_chunk = int(default_kfc_config()["chunk_size"])
@@ -1381,7 +1388,7 @@ def plan_model(
         kfc["chunk_size"] = chunk
         notes.append(
             f"chunk_size lowered to {chunk} because one probe needs about "
-            f"{per_probe / 2**30:.2f} GiB in the refresh (unfolded patches of all covered layers) "
+            f"{per_probe / 2**30:.2f} GiB in the refresh (activations, errors, one layer's patches) "
             f"and {REFRESH_MEMORY_FRACTION:.0%} of the {avail / 2**30:.1f} GiB available allows "
             f"{int(REFRESH_MEMORY_FRACTION * avail // max(per_probe, 1))} (result-neutral)"
         )

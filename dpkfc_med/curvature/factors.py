@@ -150,8 +150,13 @@ def capture_layers(
     need_errors: bool = True,
     max_positions: int | None = None,
     generator: torch.Generator | None = None,
-) -> list[CapturedLayer]:
+) -> Iterator[CapturedLayer]:
     """Every covered layer's ``a`` and per-sample ``delta`` (adapter layout) on one chunk.
+
+    A generator, one layer (call) at a time: a layer's unfolded patches are formed only when
+    it is reached and its raw input is released once yielded, so a consumer that drops each
+    item before taking the next holds one layer's patches at a time, not every layer's (the
+    UNet 3D's refresh at 64^3 would otherwise hold all 18 at once).
 
     Args:
         model: the network (plain module; Opacus hooks must be disabled by the caller).
@@ -165,15 +170,17 @@ def capture_layers(
         generator: draws those positions.
     """
     raw = capture_raw(model, inputs, targets, loss_fn, layers, need_errors=need_errors)
-    captured: list[CapturedLayer] = []
     for name, module in layers.items():
         adapter = adapter_for(module)
         assert adapter is not None  # guaranteed by covered_layers
-        for x, dy in raw[name]:
+        pairs = raw.pop(name)
+        while pairs:
+            x, dy = pairs.pop(0)
             a = adapter.activations(module, x, max_positions=max_positions, generator=generator)
             d = adapter.errors(module, dy) if dy is not None else a.new_zeros(0)
-            captured.append(CapturedLayer(name, module, adapter, a, d))
-    return captured
+            del x, dy
+            yield CapturedLayer(name, module, adapter, a, d)
+            del a, d
 
 
 def _accumulate(
@@ -275,7 +282,7 @@ def estimate_factors(
     gen = torch.Generator().manual_seed(position_seed)
     for start in range(0, m_total, chunk_size):
         x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
-        captured = capture_layers(
+        for cap in capture_layers(
             model,
             x,
             y,
@@ -284,9 +291,9 @@ def estimate_factors(
             need_errors=need_g,
             max_positions=max_positions,
             generator=gen,
-        )
-        for cap in captured:
+        ):
             _accumulate(acc, cap.name, cap.a, cap.delta, reduction, max_factor_dim, dtype)
+            del cap  # before the next layer's patches are formed
     out: dict[str, KroneckerFactors] = {}
     for name, (a_sum, g_sum) in acc.items():
         out[name] = KroneckerFactors(a_sum / m_total, g_sum / m_total, m_total)

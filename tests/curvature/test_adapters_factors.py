@@ -273,3 +273,25 @@ def test_position_sampled_a_factor_is_the_mean_over_the_drawn_positions(case, fl
     # enough positions: exactly the all-position estimate
     same = factors(max_positions=t)
     torch.testing.assert_close(same.a, full.a, rtol=0, atol=0)
+
+
+def test_capture_holds_one_layers_patches_at_a_time():
+    """A consumer that drops each captured layer frees its patches before the next unfold."""
+    import weakref
+
+    from dpkfc_med.curvature.factors import capture_layers, covered_layers
+    from tests.conftest import per_sample_ce, tiny_cnn_2d
+
+    net = tiny_cnn_2d()
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))
+    layers = covered_layers(net)
+    gen = capture_layers(net, x, y, per_sample_ce, layers)
+    names, alive = [], []
+    prev: list[weakref.ref] = []
+    for cap in gen:
+        alive.append(any(r() is not None for r in prev))  # previous layer's a/delta still held?
+        names.append(cap.name)
+        prev = [weakref.ref(cap.a), weakref.ref(cap.delta)]
+        del cap
+    assert names == list(layers) and len(names) == 3
+    assert not any(alive)
