@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.privacy.accounting import (
+    RDP_ALPHAS,
     GaussianSteps,
     PrivacyLedger,
     calibrate_noise_multiplier,
@@ -184,9 +185,28 @@ def test_ledger_matches_opacus_and_independent_accountant():
     for acc in (prv, rdp):
         acc.history = [(sigma, q, steps)]
     assert led.epsilon("prv") == prv.get_epsilon(delta)
-    assert led.epsilon("rdp") == rdp.get_epsilon(delta)
+    assert led.epsilon("rdp") == rdp.get_epsilon(delta, alphas=RDP_ALPHAS)
+    assert led.epsilon("rdp") == rdp.get_epsilon(delta)  # optimum inside Opacus' default orders
     assert led.epsilon("pld") == pytest.approx(led.epsilon("prv"), rel=0.05)
     assert led.all_epsilons()["max"] >= led.epsilon("prv")
+
+
+def test_rdp_cross_check_searches_orders_above_opacus_defaults():
+    """Large noise, few steps: the best RDP order is above Opacus' default maximum (63)."""
+    import warnings
+
+    q, sigma, delta = 0.05, 10.0, 1e-5
+    default = RDPAccountant()
+    default.history = [(sigma, q, 1)]
+    with pytest.warns(UserWarning, match="largest alpha"):
+        eps_default = default.get_epsilon(delta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither our RDP nor our PRV call warns
+        eps = epsilon_for([GaussianSteps(q, sigma, 1)], delta, "rdp")
+        epsilon_for([GaussianSteps(q, sigma, 1)], delta, "prv")
+    _, best_order = default.get_privacy_spent(delta=delta, alphas=RDP_ALPHAS)
+    assert 63 < best_order < max(RDP_ALPHAS)
+    assert 0 < eps < eps_default / 5
 
 
 def test_noise_calibration_never_exceeds_target():
