@@ -169,6 +169,8 @@ def _bad_npz(tmp_path: Path, **changes) -> Path:
         ("network_too_deep", r"DenseNet121 fails on inputs of size 28x28.*data.resize"),
         ("constant_output", r"features.norm5: GroupNorm normalises a single value per group"),
         ("resize_axes", r"data.resize=\[64\]: must be 2 positive integers"),
+        ("adambc_gamma", r"training.adambc_gamma=-1.0: must be a positive number"),
+        ("optimizer_choice", r"training.optimizer='adamw': not allowed.*'adambc'"),
     ],
 )
 def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, capsys):
@@ -210,6 +212,10 @@ def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, caps
         sections["model"] = {"name": "densenet121", "kwargs": kw}
     elif case == "resize_axes":
         sections["data"] = {"resize": [64]}
+    elif case == "adambc_gamma":
+        sections["training"] = {"optimizer": "adambc", "adambc_gamma": -1.0}
+    elif case == "optimizer_choice":
+        sections["training"] = {"optimizer": "adamw"}
     out = tmp_path / "run"
     code = main(["train", str(_config(tmp_path, **sections)), "--out", str(out)])
     err = capsys.readouterr().err
