@@ -89,6 +89,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "dp-kfc": {"method": "dp-kfc"},  # the shipped default preconditioner
     "dp-kfc-white": {"method": "dp-kfc-white"},
     "dp-kfc-ag": {"method": "dp-kfc", "preconditioner": {"factors": "ag", "damping_g": 0.1}},
+    # opt-in structured conv factor U_C (x) U_K (cheaper transform; an approximation)
+    "dp-kfc-kron": {"method": "dp-kfc", "preconditioner": {"conv_a": "kron"}},
     # per-layer norm balancing: each layer's median transformed norm set equal on probes
     "dp-kfc-perlayer": {"method": "dp-kfc", "preconditioner": {"scaling": "per_layer"}},
     # DP-AdamBC post-privatization optimizer (Adam learning-rate grid, its own JSON)

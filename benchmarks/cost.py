@@ -329,6 +329,8 @@ def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[d
                 "n_a": n_a,
                 "n_g": n_g,
                 "stride_prod": math.prod(getattr(m, "stride", (1,))),
+                "C": int(getattr(m, "in_channels", 0)),
+                "K": math.prod(getattr(m, "kernel_size", (1,))),
             }
         )
     return rows
@@ -360,6 +362,9 @@ def step_bytes_per_sample(rows: list[dict[str, Any]]) -> int:
     )
 
 
+_KRON_TYPES = ("Conv1d", "Conv2d", "Conv3d")
+
+
 def transform_macs(rows: list[dict[str, Any]], kfc: dict[str, Any]) -> list[dict[str, Any]]:
     """Per covered layer and per sample: multiply-adds of the raw per-sample gradient (what
     DP-SGD computes too) and of the DP-KFC transform on the path the preconditioner picks.
@@ -375,12 +380,15 @@ def transform_macs(rows: list[dict[str, Any]], kfc: dict[str, Any]) -> list[dict
         full_a = factors != "identity" and n_a <= max_dim
         full_g = factors == "ag" and n_g <= max_dim
         raw = t * g * n_a * n_g
-        materialized = g * (full_g * n_g * n_g * n_a + full_a * n_g * n_a * n_a)
+        a_row = full_a * n_a * n_a  # one row times U_A
+        if cfg.get("conv_a") == "kron" and full_a and g == 1 and r["type"] in _KRON_TYPES:
+            a_row = r["C"] * r["K"] * (r["C"] + r["K"])
+        materialized = g * (full_g * n_g * n_g * n_a + n_g * a_row)
         if r["type"].startswith("ConvTranspose"):
             raw //= max(int(r.get("stride_prod", 1)), 1)
             extra = materialized
         else:
-            factored = t * g * (full_a * n_a * n_a + full_g * n_g * n_g)
+            factored = t * g * (a_row + full_g * n_g * n_g)
             extra = min(factored, materialized)
         out.append({"layer": r["layer"], "type": r["type"], "raw": raw, "transform": extra})
     return out
@@ -1366,6 +1374,9 @@ def plan_model(
     if args.kfc_probes is not None:
         kfc["num_probes"] = args.kfc_probes
         notes.append("--kfc-probes given")
+    if args.kfc_conv_a is not None:
+        kfc["conv_a"] = args.kfc_conv_a
+        notes.append(f"--kfc-conv-a {args.kfc_conv_a} given")
     requested = batch_override or setting.batch
     plan = Plan(setting.shape, requested, requested, kfc, notes)
     plan.rounds = args.rounds if args.rounds is not None else (3 if quick else 5)
@@ -1600,6 +1611,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kfc-probes", type=int, default=None, help="dp-kfc num_probes override")
     p.add_argument("--kfc-chunk", type=int, default=None, help="dp-kfc chunk_size override")
+    p.add_argument(
+        "--kfc-conv-a", default=None, choices=["full", "kron"], help="dp-kfc conv_a override"
+    )
     p.add_argument("--refresh-reps", type=int, default=None, help="timed refreshes (GPU 3, else 1)")
     p.add_argument(
         "--memory-steps", type=int, default=None, help="steps per memory process (2; quick 1)"

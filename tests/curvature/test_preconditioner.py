@@ -188,3 +188,65 @@ def test_float32_decompositions_match_float64_on_small_cnn_probes():
         assert float(((n32 - n64) / n64).abs().max()) < 1e-3, name
         # and float32 really was used where asked (the float64 matrices differ slightly)
         assert not torch.equal(b32.u_a, b64.u_a), name
+
+
+def test_kron_conv_factor_matches_explicit_kronecker_products(float64):
+    """conv_a='kron': U_A = U_C (x) U_K from A's partial traces, checked by brute force."""
+    from dpkfc_med.curvature.preconditioner import KronA, _kron_a
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 2)  # C = 3, K = 4, bias
+    x = torch.randn(5, 7, 3 * 4)
+    a_rows = torch.cat([x, torch.ones(5, 7, 1)], dim=-1).reshape(-1, 13)
+    a = (a_rows.T @ a_rows / a_rows.shape[0])[None]
+    kron, _ = _kron_a(conv, a, 0.01, torch.float64)
+    # partial traces by loops
+    w = a[0, :12, :12]
+    a_c = torch.zeros(3, 3)
+    a_k = torch.zeros(4, 4)
+    for c in range(3):
+        for d in range(3):
+            a_c[c, d] = sum(w[c * 4 + k, d * 4 + k] for k in range(4)) / 4
+    for k in range(4):
+        for m in range(4):
+            a_k[k, m] = sum(w[c * 4 + k, c * 4 + m] for c in range(3)) / 3
+    a_k = a_k / torch.diagonal(a_k).mean()
+    torch.testing.assert_close(torch.trace(a_c) * torch.trace(a_k), torch.trace(w))
+    torch.testing.assert_close(kron.u_c, inverse_sqrt(a_c[None], 0.01)[0])
+    torch.testing.assert_close(kron.u_k, inverse_sqrt(a_k[None], 0.01)[0])
+    # the row transform is the row times kron(U_C, U_K), bias scaled separately
+    rows = torch.randn(6, 13)
+    want = torch.cat(
+        [rows[:, :12] @ torch.kron(kron.u_c, kron.u_k), rows[:, 12:] * (1.01**-0.5)], dim=1
+    )
+    torch.testing.assert_close(kron.right(rows), want)
+    assert KronA(kron.u_c, kron.u_k).row_macs == 3 * 4 * (3 + 4)
+
+
+@pytest.mark.parametrize("path", ["factored", "materialized"])
+def test_kron_preconditioner_transforms_conv_grads_and_keeps_linear_full(path, float64):
+    torch.manual_seed(1)
+    net = tiny_cnn_2d()
+    x, y = _probe_batch()
+    cfg = PreconditionerConfig(conv_a="kron", calibration_samples=8)
+    pre = KroneckerPreconditioner.from_probes(net, x, y, per_sample_ce, cfg)
+    kinds = {r["layer"]: r["A"] for r in pre.coverage() if r["type"] != "parameter"}
+    assert kinds == {"0": "kron", "2": "kron", "6": "full"}
+    for name in ("0", "2"):
+        block = pre.blocks[name]
+        module = block.module
+        inp = torch.randn(3, *((1, 8, 8) if name == "0" else (4, 4, 4)))
+        out = module(inp)
+        dy = torch.randn_like(out)
+        a, d = block.adapter.activations(module, inp), block.adapter.errors(module, dy)
+        got, _ = block.per_sample_grads(a, d, path=path)
+        raw = torch.einsum("btgo,btgi->bgoi", d, a)
+        k = block.a_kron
+        ck = k.u_c.shape[0] * k.u_k.shape[0]
+        u_a = torch.block_diag(
+            torch.kron(k.u_c, k.u_k), *([torch.eye(1) * k.u_bias] if k.u_bias else [])
+        )
+        torch.testing.assert_close(got, raw @ u_a * block.scale)
+        assert u_a.shape[0] in (ck, ck + 1)
+    with pytest.raises(ValueError, match="conv_a='kronn'"):
+        PreconditionerConfig(conv_a="kronn")
