@@ -122,7 +122,8 @@ class PreconditionerConfig:
             the refresh) instead of all of them: the same expectation, and the patch tensor
             and ``A`` estimation of a 64^3 volume shrink 8x at the default. ``null`` = all.
             Expand reduction only.
-        conv_a: ``"full"`` (default) or ``"kron"``: for ungrouped convolutions, replace
+        conv_a: ``"full"`` (default) or ``"kron"``: for ungrouped convolutions whose ``A``
+            is estimated in full (``n_a <= max_factor_dim``; larger ones stay diagonal), replace
             ``U_A`` by ``U_C (x) U_K`` built from the channel and kernel-offset partial traces
             of the same probe ``A`` (``A_C = tr_K A / K``, ``A_K = tr_C A / C``, rescaled so
             ``tr(A_C (x) A_K) = tr A``; the bias coordinate gets ``(1 + damping_a)^{-1/2}``).
