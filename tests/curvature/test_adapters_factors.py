@@ -110,20 +110,24 @@ def _report(name: str, got: torch.Tensor, want: torch.Tensor) -> str:
     return "\n".join(lines)
 
 
+def _layer_case(case: str, seed: int):
+    """Layer ``case`` of ``LAYERS``, its adapter, an input and random output weights."""
+    make, shape = LAYERS[case]
+    torch.manual_seed(seed)
+    module = make()
+    x = torch.randn(*shape)
+    return module, adapter_for(module), x, torch.randn_like(module(x))
+
+
 @pytest.mark.parametrize("case", sorted(LAYERS))
 def test_per_sample_grads_match_autograd(case, float64):
-    make, shape = LAYERS[case]
-    torch.manual_seed(0)
-    module = make()
-    adapter = adapter_for(module)
-    x = torch.randn(*shape)
-    r = torch.randn_like(module(x))
+    module, adapter, x, r = _layer_case(case, seed=0)
     a = adapter.activations(module, x)
     d = adapter.errors(module, _delta(module, x, r))
     grads = adapter.to_params(module, torch.einsum("btgo,btgi->bgoi", d, a))
     direct = adapter.param_grads and adapter.param_grads(module, x, _delta(module, x, r))
     assert bool(direct) == case.startswith("convt")
-    for m in range(shape[0]):
+    for m in range(x.shape[0]):
         ref = torch.autograd.grad(
             _loss(module(x[m : m + 1]), r[m : m + 1]).sum(), list(module.parameters())
         )
@@ -249,12 +253,7 @@ def test_estimation_never_touches_grad_or_grad_sample(float64):
 @pytest.mark.parametrize("case", ["conv3d", "convt2d_grouped", "conv2d_strided"])
 def test_position_sampled_a_factor_is_the_mean_over_the_drawn_positions(case, float64):
     """``max_positions``: A averages over the drawn positions only; G keeps all of them."""
-    make, shape = LAYERS[case]
-    torch.manual_seed(4)
-    module = make()
-    adapter = adapter_for(module)
-    x = torch.randn(*shape)
-    r = torch.randn_like(module(x))
+    module, adapter, x, r = _layer_case(case, seed=4)
 
     def factors(**kw):
         out = estimate_factors(module, x, r, _loss, layers={"l": module}, chunk_size=len(x), **kw)
