@@ -284,9 +284,12 @@ class KronA:
 
 
 def _kron_a(
-    module: nn.Module, a: Tensor, damping: float, dtype: torch.dtype
+    module: nn.Module, a: Tensor, damping: float, dtype: torch.dtype, out_dtype: torch.dtype
 ) -> tuple[KronA, Tensor]:
-    """Channel and kernel factors from the partial traces of ``A [1, n_a, n_a]``."""
+    """Channel and kernel factors from the partial traces of ``A [1, n_a, n_a]``.
+
+    Decomposed in ``dtype``; the returned factors are in ``out_dtype`` (the layer's).
+    """
     c = int(getattr(module, "in_channels"))  # noqa: B009 (checked by _kron_eligible)
     k = math.prod(int(v) for v in getattr(module, "kernel_size"))  # noqa: B009
     ck = c * k
@@ -300,7 +303,7 @@ def _kron_a(
     u_k, ev_k = inverse_sqrt_with_spectrum(a_k[None].to(dtype), damping)
     bias = (1.0 + damping) ** -0.5 if a.shape[-1] > ck else None
     evals = (ev_c[0][:, None] * ev_k[0][None, :]).reshape(1, -1)
-    return KronA(u_c[0], u_k[0], bias), evals
+    return KronA(u_c[0].to(out_dtype), u_k[0].to(out_dtype), bias), evals
 
 
 @dataclass
@@ -548,8 +551,7 @@ class KroneckerPreconditioner:
                 # a float64 model gets float64 decompositions whatever eig_dtype says
                 dt = torch.promote_types(eig_dtype, ref.dtype)
                 if _kron_eligible(module, f.a) and cfg.conv_a == "kron":
-                    kron, ev_a = _kron_a(module, f.a, cfg.damping_a, dt)
-                    a_kron = KronA(kron.u_c.to(ref.dtype), kron.u_k.to(ref.dtype), kron.u_bias)
+                    a_kron, ev_a = _kron_a(module, f.a, cfg.damping_a, dt, ref.dtype)
                 else:
                     u_a, ev_a = inverse_sqrt_with_spectrum(f.a.to(dt), cfg.damping_a)
                     u_a = u_a.to(ref.dtype)

@@ -199,7 +199,7 @@ def test_kron_conv_factor_matches_explicit_kronecker_products(float64):
     x = torch.randn(5, 7, 3 * 4)
     a_rows = torch.cat([x, torch.ones(5, 7, 1)], dim=-1).reshape(-1, 13)
     a = (a_rows.T @ a_rows / a_rows.shape[0])[None]
-    kron, _ = _kron_a(conv, a, 0.01, torch.float64)
+    kron, _ = _kron_a(conv, a, 0.01, torch.float64, torch.float64)
     # partial traces by loops
     w = a[0, :12, :12]
     a_c = torch.zeros(3, 3)
