@@ -41,6 +41,7 @@ __all__ = [
     "adapter_for",
     "register_adapter",
     "supported_layer_types",
+    "unfold_channels_first",
     "unfold_nd",
 ]
 
@@ -63,6 +64,13 @@ class LayerAdapter:
             per-sample gradients computed without the ``[B, T, G, n_a]`` unfold. Layers whose
             unfold is wasteful (transposed convolutions: 1 - 1/prod(stride) of it is inserted
             zeros) provide it, and per-sample transforms then start from it.
+        rows: optional ``(module, x) -> a`` of shape ``[B, G, T, n_w]``: the same inputs
+            as ``activations`` in the per-step layout, without the bias coordinate and
+            possibly a strided view (a convolution's channel-first unfold, transposed). Layers
+            that provide it (with ``error_rows``) keep their weight as ``[G * n_g, n_w]`` in
+            row-major order, so per-sample gradients ``[B, G, n_g, n_w]`` reshape to the
+            weight without a copy; the training-step sampler uses this path.
+        error_rows: ``(module, dy) -> delta`` of shape ``[B, G, T, n_g]`` (a view of ``dy``).
     """
 
     name: str
@@ -72,6 +80,8 @@ class LayerAdapter:
     from_params: Callable[[nn.Module, dict[nn.Parameter, Tensor]], Tensor]
     dims: Callable[[nn.Module], tuple[int, int, int]]
     param_grads: Callable[[nn.Module, Tensor, Tensor], dict[nn.Parameter, Tensor]] | None = None
+    rows: Callable[[nn.Module, Tensor], Tensor] | None = None
+    error_rows: Callable[[nn.Module, Tensor], Tensor] | None = None
 
 
 _ADAPTERS: dict[type[nn.Module], LayerAdapter] = {}
@@ -142,6 +152,14 @@ def _linear_errors(module: Any, dy: Tensor) -> Tensor:
     return dy.reshape(dy.shape[0], -1, dy.shape[-1]).unsqueeze(2)
 
 
+def _linear_rows(module: Any, x: Tensor) -> Tensor:
+    return x.reshape(x.shape[0], 1, -1, x.shape[-1])
+
+
+def _linear_error_rows(module: Any, dy: Tensor) -> Tensor:
+    return dy.reshape(dy.shape[0], 1, -1, dy.shape[-1])
+
+
 def _linear_to_params(module: Any, grads: Tensor) -> dict[nn.Parameter, Tensor]:
     return _split_bias(module, grads, lambda g: g[:, 0])
 
@@ -163,11 +181,25 @@ LINEAR = register_adapter(nn.Linear)(
         _linear_to_params,
         _linear_from_params,
         _linear_dims,
+        rows=_linear_rows,
+        error_rows=_linear_error_rows,
     )
 )
 
 
 # ------------------------------------------------------------------------------------ ConvNd
+
+
+def _patch_view(
+    x: Tensor, kernel_size: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]
+) -> Tensor:
+    """View ``[B, C, L1..Ln, k1..kn]`` of an already padded ``[B, C, *S]`` tensor (no copy)."""
+    for d in range(len(kernel_size)):
+        span = dilation[d] * (kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, stride[d])
+        if dilation[d] > 1:
+            x = x[..., :: dilation[d]]
+    return x
 
 
 def unfold_nd(
@@ -190,11 +222,7 @@ def unfold_nd(
     """
     n = len(kernel_size)
     b, c = x.shape[:2]
-    for d in range(n):
-        span = dilation[d] * (kernel_size[d] - 1) + 1
-        x = x.unfold(2 + d, span, stride[d])
-        if dilation[d] > 1:
-            x = x[..., :: dilation[d]]
+    x = _patch_view(x, kernel_size, stride, dilation)
     grid = tuple(x.shape[2 : 2 + n])
     num_pos = math.prod(grid)
     k = math.prod(kernel_size)
@@ -208,6 +236,23 @@ def unfold_nd(
     perm = [0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n)]
     x = x.permute(perm)
     return x.reshape(b, num_pos, c, k)
+
+
+def unfold_channels_first(
+    x: Tensor, kernel_size: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]
+) -> Tensor:
+    """Unfold an already padded ``[B, C, *S]`` tensor into ``[B, C * prod(k), L]``.
+
+    What ``torch.nn.functional.unfold`` returns in 2D, for 1D/2D/3D. Copying the patch view
+    in this order keeps the input's memory order along the positions (2-5x faster on CPU than
+    the position-major copy of :func:`unfold_nd`, and faster than ``F.unfold`` itself).
+    """
+    n = len(kernel_size)
+    b, c = x.shape[:2]
+    x = _patch_view(x, kernel_size, stride, dilation)
+    num_pos = math.prod(x.shape[2 : 2 + n])
+    perm = [0, 1, *range(2 + n, 2 + 2 * n), *range(2, 2 + n)]
+    return x.permute(perm).reshape(b, c * math.prod(kernel_size), num_pos)
 
 
 def _conv_padded_input(module: Any, x: Tensor) -> Tensor:
@@ -227,6 +272,20 @@ def _conv_activations(module: Any, x: Tensor, **sampling: Any) -> Tensor:
     g = module.groups  # type: ignore[union-attr]
     a = patches.reshape(b, num_pos, g, (c // g) * k)
     return _append_one(a) if _has_bias(module) else a
+
+
+def _conv_rows(module: Any, x: Tensor) -> Tensor:
+    x = _conv_padded_input(module, x)
+    cols = unfold_channels_first(x, module.kernel_size, module.stride, module.dilation)
+    b, n, num_pos = cols.shape
+    g = module.groups
+    return cols.reshape(b, g, n // g, num_pos).transpose(-1, -2)
+
+
+def _conv_error_rows(module: Any, dy: Tensor) -> Tensor:
+    b, c = dy.shape[:2]
+    g = module.groups
+    return dy.reshape(b, g, c // g, -1).transpose(-1, -2)
 
 
 def _conv_errors(module: Any, dy: Tensor) -> Tensor:
@@ -258,7 +317,14 @@ def _conv_dims(module: Any) -> tuple[int, int, int]:
 
 CONV = register_adapter(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
     LayerAdapter(
-        "conv", _conv_activations, _conv_errors, _conv_to_params, _conv_from_params, _conv_dims
+        "conv",
+        _conv_activations,
+        _conv_errors,
+        _conv_to_params,
+        _conv_from_params,
+        _conv_dims,
+        rows=_conv_rows,
+        error_rows=_conv_error_rows,
     )
 )
 

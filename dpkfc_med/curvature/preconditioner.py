@@ -225,22 +225,20 @@ def _kron_eligible(module: nn.Module, a: Tensor) -> bool:
     )
 
 
-def _apply_right(x: Tensor, u: Tensor | None) -> Tensor:
-    """``x [..., G, n] -> x @ U`` per group (``U`` symmetric ``[G, n, n]`` or diagonal)."""
-    if u is None:
-        return x
-    if u.dim() == 2:
-        return x * u
-    if u.shape[0] == 1:  # ungrouped: one plain matmul, no einsum permute copies (~1.5x on CPU)
-        return x @ u[0]
-    return torch.einsum("...gi,gij->...gj", x, u)
-
-
 def _grads_times(x: Tensor, u: Tensor) -> Tensor:
-    """``x [B, G, r, n] @ U [G, n, n]`` per group (plain matmul when ``G = 1``)."""
+    """``x [B, G, r, n] @ U [G, n, m]`` per group (plain matmul when ``G = 1``)."""
     if u.shape[0] == 1:
         return x @ u[0]
     return torch.einsum("bgoi,gij->bgoj", x, u)
+
+
+def _rows_times(x: Tensor, u: Tensor | None) -> Tensor:
+    """``x [B, G, r, n]`` times ``U`` per group: ``[G, n, n]``, diagonal ``[G, n]`` or ``None``."""
+    if u is None:
+        return x
+    if u.dim() == 2:
+        return x * u.unsqueeze(1)
+    return _grads_times(x, u)
 
 
 def outer_sum(delta: Tensor, a: Tensor) -> Tensor:
@@ -267,20 +265,43 @@ class KronA:
     u_k: Tensor
     u_bias: float | None = None
 
+    def __post_init__(self) -> None:
+        c, k = self.u_c.shape[0], self.u_k.shape[0]
+        # With one channel or one kernel offset (C + K >= C K) the explicit product is no
+        # larger than its factors and one matmul beats C K tiny ones.
+        self.dense = torch.kron(self.u_c, self.u_k) if c + k >= c * k else None
+
     @property
     def row_macs(self) -> int:
         """Multiply-adds to transform one row."""
         c, k = self.u_c.shape[0], self.u_k.shape[0]
-        return c * k * (c + k)
+        return c * k * min(c + k, c * k)
+
+    def right_w(self, x: Tensor) -> Tensor:
+        """``x [..., r, C K] -> x (U_C (x) U_K)`` on the last dimension (weight coordinates).
+
+        Rows that are a transposed view of channel-first patches (``x.stride(-2) == 1``,
+        a convolution's ``rows``) are transformed in that layout, where both factors are
+        plain batched products without copies.
+        """
+        if self.dense is not None:
+            return x @ self.dense
+        c, k = self.u_c.shape[0], self.u_k.shape[0]
+        if x.dim() >= 2 and x.stride(-2) == 1 and x.stride(-1) != 1:
+            cols = x.transpose(-1, -2)  # [..., C K, r], contiguous
+            lead, r = cols.shape[:-2], cols.shape[-1]
+            y = (self.u_c @ cols.reshape(*lead, c, k * r)).reshape(*lead, c, k, r)
+            return (self.u_k @ y).reshape(*lead, c * k, r).transpose(-1, -2)
+        w = x.reshape(*x.shape[:-1], c, k)
+        return (self.u_c @ w @ self.u_k).reshape(*x.shape[:-1], c * k)
 
     def right(self, x: Tensor) -> Tensor:
         """``x [..., n_a] -> x U_A`` on the last dimension."""
-        c, k = self.u_c.shape[0], self.u_k.shape[0]
-        w = x[..., : c * k].reshape(*x.shape[:-1], c, k)
-        out = (self.u_c @ w @ self.u_k).reshape(*x.shape[:-1], c * k)
+        ck = self.u_c.shape[0] * self.u_k.shape[0]
+        out = self.right_w(x[..., :ck])
         if self.u_bias is None:
             return out
-        return torch.cat([out, x[..., c * k :] * self.u_bias], dim=-1)
+        return torch.cat([out, x[..., ck:] * self.u_bias], dim=-1)
 
 
 def _kron_a(
@@ -388,28 +409,94 @@ class KroneckerBlock:
                 out = _grads_times(out.transpose(-1, -2), self.u_g).transpose(-1, -2)
         return out * self.scale if self.scale != 1.0 else out
 
-    def per_sample_grads(
-        self, a: Tensor, delta: Tensor, *, path: str | None = None
-    ) -> tuple[Tensor, Tensor | None]:
-        """Transformed per-sample gradients ``[B, G, n_g, n_a]`` from captured ``a``/``delta``.
+    def _times_a(self, x: Tensor, has_bias: bool) -> tuple[Tensor, Tensor | float | None]:
+        """Rows ``x [B, G, r, n_w]`` (any strides) with a bias coordinate ``xb`` times ``U_A``.
+
+        Returns ``(out, c)``. For a full ``U_A`` with a bias, ``out = x U_A[:n_w]`` has all
+        ``n_a`` columns and ``c`` is ``None`` (the bias row's share ``xb U_A[n_w]`` is for the
+        caller to add). Otherwise ``out = x U_ww`` has ``n_w`` columns and the bias
+        coordinate maps to ``c * xb`` (``U_A`` is block-diagonal there; ``c`` is ``None``
+        without a bias).
+        """
+        n_w = x.shape[-1]
+        u = self.u_a
+        if u is not None and u.dim() == 3:
+            return _grads_times(x, u[:, :n_w] if has_bias else u), None
+        c: Tensor | float
+        if self.a_kron is not None:
+            out, c = self.a_kron.right_w(x), self.a_kron.u_bias or 1.0
+        elif u is not None:  # diagonal [G, n_a]
+            out, c = x * u[:, None, :n_w], u[:, n_w:]
+        else:
+            out, c = x, 1.0
+        return out, (c if has_bias else None)
+
+    def _times_g(self, x: Tensor) -> Tensor:
+        """``U_G x`` for ``x [B, G, n_g, m]`` (``U_G`` symmetric)."""
+        u = self.u_g
+        if u is None:
+            return x
+        if u.dim() == 2:
+            return x * u.unsqueeze(-1)
+        return u[0] @ x if u.shape[0] == 1 else u @ x
+
+    def sample_grads(
+        self, a: Tensor, delta: Tensor, *, path: str | None = None, raw_norms: int = 0
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        r"""Transformed per-sample gradients from layer-input rows and output errors.
+
+        ``s U_G (\sum_t \delta_t [x_t, 1]^T) U_A`` for rows ``x_t`` whose bias coordinate
+        1 is never materialised: ``U_A`` acts as its leading ``n_w`` rows plus its bias row.
+        The same result as :meth:`transform_grads` of the raw per-sample gradient.
 
         Args:
-            a: ``[B, T, G, n_a]``.
-            delta: ``[B, T, G, n_g]``.
+            a: ``[B, G, T, n_w]`` rows (the adapter's ``rows``; any strides).
+            delta: ``[B, G, T, n_g]`` output errors (``error_rows``).
             path: force ``"factored"`` or ``"materialized"`` (default: cheaper one).
+            raw_norms: also return the squared untransformed per-sample norms of the first
+                this many samples (diagnostics).
 
         Returns:
-            ``(transformed, raw_or_None)``; the raw per-sample gradients are returned only on
-            the materialized path, where they exist anyway.
+            ``(weight [B, G, n_g, n_w], bias [B, G, n_g] or None, raw_sq [raw_norms] or
+            None)``; weight and bias may be views of one tensor.
         """
-        path = path or self.choose_path(a.shape[0], a.shape[1])
-        if path == "factored":
-            a_t = self.a_kron.right(a) if self.a_kron is not None else _apply_right(a, self.u_a)
-            d_t = _apply_right(delta, self.u_g)
-            out = outer_sum(d_t, a_t)
-            return (out * self.scale if self.scale != 1.0 else out), None
-        raw = outer_sum(delta, a)
-        return self.transform_grads(raw), raw
+        b, g, t, n_w = a.shape
+        has_bias = self.dims[1] > n_w
+        path = path or self.choose_path(b, t)
+        raw_w = delta.transpose(-1, -2) @ a if path == "materialized" else None
+        raw_b = delta.sum(-2) if has_bias else None  # [B, G, n_g]
+        raw_sq = None
+        if raw_norms > 0:
+            part = raw_w if raw_w is not None else delta[:raw_norms].mT @ a[:raw_norms]
+            raw_sq = part[:raw_norms].pow(2).flatten(1).sum(1)
+            if raw_b is not None:
+                raw_sq = raw_sq + raw_b[:raw_norms].pow(2).flatten(1).sum(1)
+        if raw_w is None:
+            # factored: U_G and the scale act on the errors (rows times symmetric U_G), U_A
+            # on the inputs (bias coordinate 1), then one product per sample
+            d = _rows_times(delta, self.u_g)
+            if self.scale != 1.0:
+                d = d * self.scale
+            a_t, c = self._times_a(a, has_bias)
+            if has_bias and c is None:
+                a_t = a_t.add_(self.u_a[:, None, n_w])  # type: ignore[index]
+            d_cols = d.transpose(-1, -2)
+            # one position (Linear): the outer product as a broadcast, not a K=1 matmul
+            out = d_cols * a_t if t == 1 else d_cols @ a_t
+            if c is not None:
+                return out, d.sum(-2) * c, raw_sq
+        else:
+            out, c = self._times_a(raw_w, has_bias)
+            if raw_b is not None and c is None:
+                out = out.add_(raw_b.unsqueeze(-1) * self.u_a[:, None, n_w])  # type: ignore[index]
+            out = self._times_g(out)
+            if self.scale != 1.0:
+                out = out * self.scale
+            if c is not None:
+                assert raw_b is not None  # c is only returned with a bias
+                bias = self._times_g(torch.mul(raw_b, c).unsqueeze(-1)).squeeze(-1)
+                return out, (bias * self.scale if self.scale != 1.0 else bias), raw_sq
+        return out[..., :n_w], (out[..., n_w] if has_bias else None), raw_sq
 
 
 @dataclass

@@ -21,7 +21,7 @@ from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for, supported_layer_types
-from dpkfc_med.curvature.preconditioner import KroneckerBlock, outer_sum
+from dpkfc_med.curvature.preconditioner import KroneckerBlock
 
 __all__ = ["PreconditionedGradSampleModule", "RAW_NORM_SAMPLES"]
 
@@ -61,31 +61,38 @@ def _preconditioned_sampler(
     assert adapter is not None
     x = activations[0]
     m = RAW_NORM_SAMPLES
-    if adapter.param_grads is not None:
+    if adapter.param_grads is not None or adapter.rows is None or adapter.error_rows is None:
         # Direct per-sample gradients (transposed convs: no zero-inserted unfold), then the
         # literal transform s U_G g U_A.
-        raw = block.raw_grads(x, backprops)
-        grads = block.transform_grads(raw)
-        raw_sq = raw[:m].pow(2).flatten(1).sum(1)
-    else:
-        b = x.shape[0]
-        g, n_a, n_g = block.dims
-        grads = x.new_empty(b, g, n_g, n_a)
-        step = _sample_chunk(b)
-        raw_parts: list[Tensor] = []
-        for start in range(0, b, step):
-            sl = slice(start, start + step)
-            a = adapter.activations(module, x[sl])
-            d = adapter.errors(module, backprops[sl])
-            grads[sl], part = block.per_sample_grads(a, d)
-            need = m - start
-            if need > 0:  # diagnostics: raw norms of the first m samples
-                if part is None:
-                    part = outer_sum(d[:need], a[:need])
-                raw_parts.append(part[:need].pow(2).flatten(1).sum(1))
-        raw_sq = torch.cat(raw_parts)
-    module._dpkfc_raw_sq = raw_sq  # type: ignore[assignment]
-    return adapter.to_params(module, grads)
+        raw = block.raw_grads(x, backprops, chunk=_sample_chunk(x.shape[0]))
+        module._dpkfc_raw_sq = raw[:m].pow(2).flatten(1).sum(1)  # type: ignore[assignment]
+        return adapter.to_params(module, block.transform_grads(raw))
+    # Rows without a bias column, written straight into per-parameter buffers: no
+    # concatenation of a ones column and no split copies afterwards.
+    b = x.shape[0]
+    weight: nn.Parameter = module.weight  # type: ignore[assignment]
+    bias: nn.Parameter | None = getattr(module, "bias", None)
+    w_out = x.new_empty(b, *weight.shape)
+    b_out = x.new_empty(b, *bias.shape) if bias is not None and bias.requires_grad else None
+    step = _sample_chunk(b)
+    raw_parts: list[Tensor] = []
+    for start in range(0, b, step):
+        sl = slice(start, start + step)
+        w, bg, raw_sq = block.sample_grads(
+            adapter.rows(module, x[sl]),
+            adapter.error_rows(module, backprops[sl]),
+            raw_norms=max(m - start, 0),
+        )
+        w_out[sl].view(w.shape).copy_(w)  # one copy, even from a strided view
+        if b_out is not None and bg is not None:
+            b_out[sl].view(bg.shape).copy_(bg)
+        if raw_sq is not None:
+            raw_parts.append(raw_sq)
+    module._dpkfc_raw_sq = torch.cat(raw_parts)  # type: ignore[assignment]
+    out = {weight: w_out} if weight.requires_grad else {}
+    if b_out is not None:
+        out[bias] = b_out  # type: ignore[index]
+    return out
 
 
 class PreconditionedGradSampleModule(GradSampleModule):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from dpkfc_med.curvature.adapters import adapter_for
+from dpkfc_med.curvature.adapters import adapter_for, unfold_channels_first, unfold_nd
 from dpkfc_med.curvature.factors import estimate_factors
 
 LAYERS = {
@@ -144,6 +144,20 @@ def _delta(module: nn.Module, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     y = module(x)
     (dy,) = torch.autograd.grad(_loss(y, r).sum(), y)
     return dy
+
+
+def test_channels_first_unfold_matches_torch_and_position_major(float64):
+    """``[B, C k, L]`` patches: F.unfold in 2D, and the transpose of unfold_nd in 1D-3D."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 8)
+    got = unfold_channels_first(x, (3, 2), (2, 1), (1, 2))
+    torch.testing.assert_close(got, F.unfold(x, (3, 2), dilation=(1, 2), stride=(2, 1)))
+    cases = [((2, 3, 9), (3,), (2,), (2,)), ((2, 2, 4, 5, 6), (2, 3, 2), (1, 2, 2), (1, 1, 2))]
+    for shape, k, st, dil in cases:
+        x = torch.randn(*shape)
+        pos = unfold_nd(x, k, st, dil)  # [B, L, C, k]
+        want = pos.reshape(pos.shape[0], pos.shape[1], -1).transpose(1, 2)
+        torch.testing.assert_close(unfold_channels_first(x, k, st, dil), want)
 
 
 @pytest.mark.parametrize("case", sorted(LAYERS))

@@ -36,36 +36,81 @@ def test_inverse_sqrt_full_and_diagonal(float64):
 
 
 LAYERS = [
+    (lambda: nn.Linear(5, 3), (4, 5)),
     (lambda: nn.Linear(5, 3), (4, 2, 5)),
     (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), (3, 4, 4, 4)),
+    (
+        lambda: nn.Conv1d(2, 3, 3, stride=2, dilation=2, padding=2, padding_mode="reflect"),
+        (3, 2, 9),
+    ),
     (lambda: nn.Conv3d(2, 3, 2, bias=False), (2, 2, 3, 3, 3)),
-    (lambda: nn.ConvTranspose2d(2, 3, 2, stride=2), (3, 2, 2, 3)),
 ]
+
+
+def _outer(d, a):
+    return torch.einsum("btgo,btgi->bgoi", d, a)
+
+
+def _explicit(block, raw):
+    """``s U_G X U_A`` per group via an explicit Kronecker product (column-major vec)."""
+    g, n_a, n_g = block.dims
+    eye = lambda n: torch.eye(n)[None].expand(g, n, n)  # noqa: E731
+    u_a, u_g = block.u_a, block.u_g
+    u_a = eye(n_a) if u_a is None else (torch.diag_embed(u_a) if u_a.dim() == 2 else u_a)
+    u_g = eye(n_g) if u_g is None else (torch.diag_embed(u_g) if u_g.dim() == 2 else u_g)
+    out = []
+    for gi in range(g):
+        kron = torch.kron(u_a[gi].T.contiguous(), u_g[gi].contiguous()) * block.scale
+        vec = raw[:, gi].transpose(1, 2).reshape(raw.shape[0], -1)
+        out.append((vec @ kron.T).reshape(raw.shape[0], n_a, n_g).transpose(1, 2))
+    return torch.stack(out, 1)
 
 
 @pytest.mark.parametrize("idx", range(len(LAYERS)))
 @pytest.mark.parametrize("path", ["factored", "materialized"])
-def test_transformed_grads_equal_explicit_kronecker(idx, path, float64):
+@pytest.mark.parametrize("kinds", [("full", "full"), ("diag", "none"), ("none", "diag")])
+def test_sample_grads_equal_explicit_kronecker(idx, path, kinds, float64):
+    """Rows without a bias column and U_A split at the bias coordinate give s U_G g U_A."""
     torch.manual_seed(idx)
     make, shape = LAYERS[idx]
     module = make()
     adapter = adapter_for(module)
     g, n_a, n_g = adapter.dims(module)
+
+    def factor(kind, n, damping):
+        if kind == "full":
+            return inverse_sqrt(_spd(g, n), damping)
+        return torch.rand(g, n) + 0.5 if kind == "diag" else None
+
+    block = KroneckerBlock(
+        "l", module, adapter, factor(kinds[0], n_a, 0.01), factor(kinds[1], n_g, 0.1), 0.7
+    )
+    x = torch.randn(*shape)
+    dy = torch.randn_like(module(x))
+    # reference: the adapter's position-major layout with the bias column appended
+    raw = _outer(adapter.errors(module, dy), adapter.activations(module, x))
+    rows, err = adapter.rows(module, x), adapter.error_rows(module, dy)
+    w, bias, raw_sq = block.sample_grads(rows, err, path=path, raw_norms=2)
+    got = w if bias is None else torch.cat([w, bias.unsqueeze(-1)], -1)
+    torch.testing.assert_close(got, _explicit(block, raw))
+    torch.testing.assert_close(raw_sq, raw[:2].pow(2).flatten(1).sum(1))
+    torch.testing.assert_close(block.transform_grads(raw), _explicit(block, raw))
+
+
+def test_conv_transpose_transform_equals_explicit_kronecker(float64):
+    """Transposed convs: input-grid per-sample gradients, then the literal transform."""
+    torch.manual_seed(3)
+    module = nn.ConvTranspose2d(2, 3, 2, stride=2)
+    adapter = adapter_for(module)
+    g, n_a, n_g = adapter.dims(module)
     block = KroneckerBlock(
         "l", module, adapter, inverse_sqrt(_spd(g, n_a), 0.01), inverse_sqrt(_spd(g, n_g), 0.1), 0.7
     )
-    x = torch.randn(*shape)
-    y = module(x)
-    dy = torch.randn_like(y)
-    a, d = adapter.activations(module, x), adapter.errors(module, dy)
-    got, _ = block.per_sample_grads(a, d, path=path)
-    raw = torch.einsum("btgo,btgi->bgoi", d, a)
-    for gi in range(g):
-        # vec(U_G X U_A) = (U_A^T kron U_G) vec(X) with column-major vec
-        kron = torch.kron(block.u_a[gi].T.contiguous(), block.u_g[gi].contiguous()) * 0.7
-        vec = raw[:, gi].transpose(1, 2).reshape(raw.shape[0], -1)
-        want = (vec @ kron.T).reshape(raw.shape[0], n_a, n_g).transpose(1, 2)
-        torch.testing.assert_close(got[:, gi], want)
+    x = torch.randn(3, 2, 2, 3)
+    dy = torch.randn_like(module(x))
+    raw = _outer(adapter.errors(module, dy), adapter.activations(module, x))
+    torch.testing.assert_close(block.raw_grads(x, dy), raw)
+    torch.testing.assert_close(block.transform_grads(raw), _explicit(block, raw))
 
 
 def test_path_choice_prefers_cheaper():
@@ -239,7 +284,9 @@ def test_kron_preconditioner_transforms_conv_grads_and_keeps_linear_full(path, f
         out = module(inp)
         dy = torch.randn_like(out)
         a, d = block.adapter.activations(module, inp), block.adapter.errors(module, dy)
-        got, _ = block.per_sample_grads(a, d, path=path)
+        rows, err = block.adapter.rows(module, inp), block.adapter.error_rows(module, dy)
+        w, bias, _ = block.sample_grads(rows, err, path=path)
+        got = w if bias is None else torch.cat([w, bias.unsqueeze(-1)], -1)
         raw = torch.einsum("btgo,btgi->bgoi", d, a)
         k = block.a_kron
         ck = k.u_c.shape[0] * k.u_k.shape[0]

@@ -375,7 +375,16 @@ def test_singular_factor_inverse_root():
     torch.testing.assert_close(torch.linalg.inv(u[0] @ u[0]), f[0] + 0.1 * mean * torch.eye(50))
 
 
-def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(float64):
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PreconditionerConfig("ag"),
+        PreconditionerConfig("a", conv_a="kron"),
+        PreconditionerConfig("ag", max_factor_dim=8),  # diagonal factors
+    ],
+    ids=["ag", "kron", "diagonal"],
+)
+def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(cfg, float64):
     """Covered layers' grad_sample = s U_G g_i U_A of brute-force per-sample gradients.
 
     40 samples run through the sampler in chunks (16, 16, 8); the first 16 raw norms kept for
@@ -385,9 +394,7 @@ def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(float64):
     model = tiny_cnn_2d()
     plain = copy.deepcopy(model)  # brute force runs without Opacus hooks
     x, y = _data(40)
-    eng, (pm, popt, _) = _engine(
-        "dp-kfc", model, x, y, loss_reduction="sum", preconditioner=PreconditionerConfig("ag")
-    )
+    eng, (pm, popt, _) = _engine("dp-kfc", model, x, y, loss_reduction="sum", preconditioner=cfg)
     popt.zero_grad()
     F.cross_entropy(pm(x), y, reduction="sum").backward()
     assert len(eng.preconditioner.blocks) >= 2
