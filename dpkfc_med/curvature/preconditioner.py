@@ -241,6 +241,21 @@ def _rows_times(x: Tensor, u: Tensor | None) -> Tensor:
     return _grads_times(x, u)
 
 
+def _raw_sq(a: Tensor, delta: Tensor, has_bias: bool, raw_w: Tensor | None = None) -> Tensor:
+    """Squared per-sample norms ``[B]`` of untransformed gradients from rows and errors."""
+    if raw_w is None:
+        raw_w = delta.transpose(-1, -2) @ a
+    out = raw_w[: a.shape[0]].pow(2).flatten(1).sum(1)
+    if has_bias:
+        out = out + delta.sum(-2).pow(2).flatten(1).sum(1)
+    return out
+
+
+def raw_sq(block: KroneckerBlock, a: Tensor, delta: Tensor) -> Tensor:
+    """Squared raw per-sample norms ``[B]`` of ``block``'s layer from rows ``[B, G, T, n_w]``."""
+    return _raw_sq(a, delta, block.dims[1] > a.shape[-1])
+
+
 def outer_sum(delta: Tensor, a: Tensor) -> Tensor:
     """Per-sample ``sum_t delta_t a_t^T``: ``[B, T, G, n_g], [B, T, G, n_a] -> [B, G, n_g, n_a]``.
 
@@ -294,6 +309,29 @@ class KronA:
             return (self.u_k @ y).reshape(*lead, c * k, r).transpose(-1, -2)
         w = x.reshape(*x.shape[:-1], c, k)
         return (self.u_c @ w @ self.u_k).reshape(*x.shape[:-1], c * k)
+
+    def mix_channels(self, x: Tensor) -> Tensor:
+        """``U_C`` on the channels of a layer input ``[B, C, *S]``.
+
+        Channel mixing is per position, so it commutes with padding (zeros, or copies of
+        input positions) and with unfolding: the patches of the mixed input are the rows
+        ``X -> U_C X``, and only ``U_K`` is left for the per-sample gradient. That costs
+        ``S C^2`` per sample on the input instead of ``T C^2 K`` on the patches. (A
+        ``groups=C`` convolution applying ``U_K`` as well was measured 3x slower than the
+        unfold it would replace, on CPU.)
+        """
+        b, c = x.shape[:2]
+        return torch.bmm(self.u_c.expand(b, c, c), x.reshape(b, c, -1)).view(x.shape)
+
+    def right_k(self, x: Tensor, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
+        """``s x (I (x) U_K)`` for ``x [..., C K]`` contiguous: one matmul (into ``out``)."""
+        c, k = self.u_c.shape[0], self.u_k.shape[0]
+        u_k = self.u_k if scale == 1.0 else self.u_k * scale
+        split = (*x.shape[:-1], c, k)
+        if out is None:
+            return (x.reshape(split) @ u_k).reshape(x.shape)
+        torch.matmul(x.reshape(split), u_k, out=out.view(split))
+        return out
 
     def right(self, x: Tensor) -> Tensor:
         """``x [..., n_a] -> x U_A`` on the last dimension."""
@@ -409,14 +447,17 @@ class KroneckerBlock:
                 out = _grads_times(out.transpose(-1, -2), self.u_g).transpose(-1, -2)
         return out * self.scale if self.scale != 1.0 else out
 
-    def _times_a(self, x: Tensor, has_bias: bool) -> tuple[Tensor, Tensor | float | None]:
+    def _times_a(
+        self, x: Tensor, has_bias: bool, applied: bool = False
+    ) -> tuple[Tensor, Tensor | float | None]:
         """Rows ``x [B, G, r, n_w]`` (any strides) with a bias coordinate ``xb`` times ``U_A``.
 
         Returns ``(out, c)``. For a full ``U_A`` with a bias, ``out = x U_A[:n_w]`` has all
         ``n_a`` columns and ``c`` is ``None`` (the bias row's share ``xb U_A[n_w]`` is for the
         caller to add). Otherwise ``out = x U_ww`` has ``n_w`` columns and the bias
         coordinate maps to ``c * xb`` (``U_A`` is block-diagonal there; ``c`` is ``None``
-        without a bias).
+        without a bias). ``applied``: ``x`` comes from a channel-mixed input
+        (:meth:`KronA.mix_channels`; only ``U_K`` is left).
         """
         n_w = x.shape[-1]
         u = self.u_a
@@ -424,24 +465,33 @@ class KroneckerBlock:
             return _grads_times(x, u[:, :n_w] if has_bias else u), None
         c: Tensor | float
         if self.a_kron is not None:
-            out, c = self.a_kron.right_w(x), self.a_kron.u_bias or 1.0
+            kron = self.a_kron
+            out, c = (kron.right_k(x) if applied else kron.right_w(x)), kron.u_bias or 1.0
         elif u is not None:  # diagonal [G, n_a]
             out, c = x * u[:, None, :n_w], u[:, n_w:]
         else:
             out, c = x, 1.0
         return out, (c if has_bias else None)
 
-    def _times_g(self, x: Tensor) -> Tensor:
-        """``U_G x`` for ``x [B, G, n_g, m]`` (``U_G`` symmetric)."""
-        u = self.u_g
+    def _times_g_into(self, x: Tensor, out: Tensor) -> Tensor:
+        """``out = s U_G x`` for ``x [B, G, n_g, m]`` (``U_G`` symmetric), in one pass."""
+        u, s = self.u_g, self.scale
         if u is None:
-            return x
+            return torch.mul(x, s, out=out)
         if u.dim() == 2:
-            return x * u.unsqueeze(-1)
-        return u[0] @ x if u.shape[0] == 1 else u @ x
+            return torch.mul(x, u.unsqueeze(-1) * s, out=out)
+        torch.matmul(u[0] if u.shape[0] == 1 else u, x, out=out)
+        return out.mul_(s) if s != 1.0 else out
 
     def sample_grads(
-        self, a: Tensor, delta: Tensor, *, path: str | None = None, raw_norms: int = 0
+        self,
+        a: Tensor,
+        delta: Tensor,
+        *,
+        path: str | None = None,
+        raw_norms: int = 0,
+        mixed: bool = False,
+        out: tuple[Tensor, Tensor | None] | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         r"""Transformed per-sample gradients from layer-input rows and output errors.
 
@@ -455,48 +505,72 @@ class KroneckerBlock:
             path: force ``"factored"`` or ``"materialized"`` (default: cheaper one).
             raw_norms: also return the squared untransformed per-sample norms of the first
                 this many samples (diagnostics).
+            mixed: ``a`` are rows of the input after :meth:`KronA.mix_channels` (``U_C``
+                already applied; ``U_K`` is applied to the per-sample gradient, on the
+                materialized path). Raw norms then need unmixed rows: use :func:`raw_sq`.
+            out: contiguous ``([B, G, n_g, n_w], [B, G, n_g] or None)`` buffers to write
+                the result into (each result is written once; on CPU every fresh large
+                temporary costs page faults comparable to its arithmetic).
 
         Returns:
             ``(weight [B, G, n_g, n_w], bias [B, G, n_g] or None, raw_sq [raw_norms] or
-            None)``; weight and bias may be views of one tensor.
+            None)``; the ``out`` buffers when given.
         """
         b, g, t, n_w = a.shape
+        n_g = delta.shape[-1]
         has_bias = self.dims[1] > n_w
-        path = path or self.choose_path(b, t)
+        if mixed and raw_norms:
+            raise ValueError("raw norms need unmixed rows; use raw_sq()")
+        w_out, b_out = out if out is not None else (None, None)
+        if w_out is None:
+            w_out = a.new_empty(b, g, n_g, n_w)
+        if has_bias and b_out is None:
+            b_out = a.new_empty(b, g, n_g)
+        path = "materialized" if mixed else (path or self.choose_path(b, t))
         raw_w = delta.transpose(-1, -2) @ a if path == "materialized" else None
         raw_b = delta.sum(-2) if has_bias else None  # [B, G, n_g]
         raw_sq = None
         if raw_norms > 0:
-            part = raw_w if raw_w is not None else delta[:raw_norms].mT @ a[:raw_norms]
-            raw_sq = part[:raw_norms].pow(2).flatten(1).sum(1)
-            if raw_b is not None:
-                raw_sq = raw_sq + raw_b[:raw_norms].pow(2).flatten(1).sum(1)
+            raw_sq = _raw_sq(a[:raw_norms], delta[:raw_norms], has_bias, raw_w)
         if raw_w is None:
             # factored: U_G and the scale act on the errors (rows times symmetric U_G), U_A
             # on the inputs (bias coordinate 1), then one product per sample
             d = _rows_times(delta, self.u_g)
-            if self.scale != 1.0:
-                d = d * self.scale
+            d = d * self.scale if self.scale != 1.0 else d
             a_t, c = self._times_a(a, has_bias)
             if has_bias and c is None:
                 a_t = a_t.add_(self.u_a[:, None, n_w])  # type: ignore[index]
             d_cols = d.transpose(-1, -2)
             # one position (Linear): the outer product as a broadcast, not a K=1 matmul
-            out = d_cols * a_t if t == 1 else d_cols @ a_t
-            if c is not None:
-                return out, d.sum(-2) * c, raw_sq
-        else:
-            out, c = self._times_a(raw_w, has_bias)
-            if raw_b is not None and c is None:
-                out = out.add_(raw_b.unsqueeze(-1) * self.u_a[:, None, n_w])  # type: ignore[index]
-            out = self._times_g(out)
-            if self.scale != 1.0:
-                out = out * self.scale
-            if c is not None:
-                assert raw_b is not None  # c is only returned with a bias
-                bias = self._times_g(torch.mul(raw_b, c).unsqueeze(-1)).squeeze(-1)
-                return out, (bias * self.scale if self.scale != 1.0 else bias), raw_sq
-        return out[..., :n_w], (out[..., n_w] if has_bias else None), raw_sq
+            prod = torch.mul if t == 1 else torch.matmul
+            prod(d_cols, a_t[..., :n_w], out=w_out)
+            if b_out is not None:
+                if c is None:
+                    prod(d_cols, a_t[..., n_w:], out=b_out.unsqueeze(-1))
+                else:
+                    torch.mul(d.sum(-2), c, out=b_out)
+            return w_out, b_out, raw_sq
+        if mixed and self.u_g is None and self.a_kron is not None:
+            # the default A-only kron step: U_K and the scale in one matmul into the output
+            self.a_kron.right_k(raw_w, self.scale, out=w_out)
+            if b_out is not None:
+                assert raw_b is not None
+                torch.mul(raw_b, (self.a_kron.u_bias or 1.0) * self.scale, out=b_out)
+            return w_out, b_out, raw_sq
+        full, c = self._times_a(raw_w, has_bias, mixed)
+        w, bias = full[..., :n_w], None
+        if raw_b is not None:
+            if c is None:  # the bias coordinate's row of U_A, times the raw bias gradient
+                u_b = self.u_a[:, None, n_w]  # type: ignore[index]
+                w = w.addcmul_(raw_b.unsqueeze(-1), u_b[..., :n_w])
+                bias = full[..., n_w].addcmul_(raw_b, u_b[..., n_w])
+            else:
+                bias = torch.mul(raw_b, c)
+        self._times_g_into(w, w_out)
+        if b_out is not None:
+            assert bias is not None
+            self._times_g_into(bias.unsqueeze(-1), b_out.unsqueeze(-1))
+        return w_out, b_out, raw_sq
 
 
 @dataclass

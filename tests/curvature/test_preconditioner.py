@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -297,3 +299,40 @@ def test_kron_preconditioner_transforms_conv_grads_and_keeps_linear_full(path, f
         assert u_a.shape[0] in (ck, ck + 1)
     with pytest.raises(ValueError, match="conv_a='kronn'"):
         PreconditionerConfig(conv_a="kronn")
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (
+            lambda: nn.Conv1d(3, 4, 3, stride=2, dilation=2, padding=2, padding_mode="reflect"),
+            (5, 3, 11),
+        ),
+        (lambda: nn.Conv2d(1, 3, 3, padding=1), (5, 1, 5, 5)),  # one channel: dense kron
+        (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), bias=False), (4, 2, 3, 4, 3)),
+    ],
+)
+@pytest.mark.parametrize("factors", ["a", "ag"])
+def test_kron_step_on_channel_mixed_input_equals_explicit_kronecker(make, shape, factors, float64):
+    """U_C on the input channels before the unfold, U_K (and s, U_G) after: s U_G g U_A."""
+    from dpkfc_med.curvature.preconditioner import KronA
+
+    torch.manual_seed(4)
+    module = make()
+    adapter = adapter_for(module)
+    g, n_a, n_g = adapter.dims(module)
+    c, k = module.in_channels, math.prod(module.kernel_size)
+    kron = KronA(inverse_sqrt(_spd(1, c), 0.1)[0], inverse_sqrt(_spd(1, k), 0.1)[0], 0.9)
+    u_g = inverse_sqrt(_spd(g, n_g), 0.1) if factors == "ag" else None
+    block = KroneckerBlock("l", module, adapter, None, u_g, 0.7, a_kron=kron)
+    x = torch.randn(*shape)
+    dy = torch.randn_like(module(x))
+    raw = _outer(adapter.errors(module, dy), adapter.activations(module, x))
+    bias = [torch.eye(1) * 0.9] if module.bias is not None else []
+    u_a = torch.block_diag(torch.kron(kron.u_c, kron.u_k), *bias)
+    want = 0.7 * (raw @ u_a if u_g is None else u_g @ raw @ u_a)
+    rows = adapter.rows(module, kron.mix_channels(x))
+    w, b, _ = block.sample_grads(rows, adapter.error_rows(module, dy), mixed=True)
+    torch.testing.assert_close(w if b is None else torch.cat([w, b.unsqueeze(-1)], -1), want)
+    with pytest.raises(ValueError, match="unmixed rows"):
+        block.sample_grads(rows, adapter.error_rows(module, dy), mixed=True, raw_norms=2)

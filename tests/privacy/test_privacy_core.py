@@ -384,12 +384,18 @@ def test_singular_factor_inverse_root():
     ],
     ids=["ag", "kron", "diagonal"],
 )
-def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(cfg, float64):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
+    cfg, chunked, float64, monkeypatch
+):
     """Covered layers' grad_sample = s U_G g_i U_A of brute-force per-sample gradients.
 
-    40 samples run through the sampler in chunks (16, 16, 8); the first 16 raw norms kept for
-    diagnostics are the untransformed per-sample norms.
+    40 samples run through the sampler in one chunk, or (``chunked``) in chunks of
+    16, 16, 8; the first 16 raw norms kept for diagnostics are the untransformed per-sample
+    norms.
     """
+    if chunked:
+        monkeypatch.setattr("dpkfc_med.privacy.grad_sample.SINGLE_CHUNK_ELEMENTS", 0)
     torch.manual_seed(9)
     model = tiny_cnn_2d()
     plain = copy.deepcopy(model)  # brute force runs without Opacus hooks
