@@ -12,6 +12,7 @@ bit-for-bit Opacus. Everything downstream (clipping, noise, accounting) sees ord
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -85,7 +86,7 @@ def _preconditioned_sampler(
     b_out = x.new_empty(b, *bias.shape) if bias is not None and bias.requires_grad else None
     kron = block.a_kron
     g, n_a, n_g = block.dims
-    positions = backprops[0].numel() // (g * n_g)  # T
+    positions = math.prod(backprops.shape[1:]) // (g * n_g)  # T
     step = _sample_chunk(b, positions * g * n_a)
     raw_parts: list[Tensor] = []
     for start in range(0, b, step):
@@ -107,7 +108,7 @@ def _preconditioned_sampler(
             _, _, raw_sq = block.sample_grads(rows, err, raw_norms=need, out=outs)
         if raw_sq is not None:
             raw_parts.append(raw_sq)
-    module._dpkfc_raw_sq = torch.cat(raw_parts)  # type: ignore[assignment]
+    module._dpkfc_raw_sq = torch.cat(raw_parts) if raw_parts else x.new_zeros(0)  # type: ignore[assignment]
     out = {weight: w_out} if weight.requires_grad else {}
     if b_out is not None:
         out[bias] = b_out  # type: ignore[index]

@@ -422,3 +422,26 @@ def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
         for p in params:
             torch.testing.assert_close(p.grad_sample, want[p], msg=name)
         torch.testing.assert_close(module._dpkfc_raw_sq, raw[:16].pow(2).flatten(1).sum(1))
+
+
+def test_empty_poisson_batch_is_a_pure_noise_step(float64):
+    """Poisson sampling can draw no sample: every sampler copes and the step is noise only."""
+    updates = {}
+    for name, cfg in [
+        ("dp-sgd", None),
+        ("dp-kfc", PreconditionerConfig()),
+        ("kron", PreconditionerConfig(conv_a="kron")),
+    ]:
+        model = tiny_cnn_2d()
+        x, y = _data(40)
+        kw = {"preconditioner": cfg} if cfg else {}
+        _, (pm, popt, _) = _engine("dp-sgd" if cfg is None else "dp-kfc", model, x, y, **kw)
+        before = [p.detach().clone() for p in pm.parameters()]
+        popt.zero_grad()
+        F.cross_entropy(pm(x[:0]), y[:0], reduction="sum").backward()
+        popt.step()
+        updates[name] = [p.detach() - b for p, b in zip(pm.parameters(), before)]
+        assert all(bool((u != 0).all()) for u in updates[name]), name
+    for name in ("dp-kfc", "kron"):  # same seed, no data: the same noise
+        for u, v in zip(updates[name], updates["dp-sgd"]):
+            torch.testing.assert_close(u, v)
