@@ -302,10 +302,12 @@ def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[d
     model, _ = build_network(case, seed)
     layers = covered_layers(model)
     positions: dict[str, int] = {}
+    in_positions: dict[str, int] = {}
 
     def hook(name: str) -> Callable[..., None]:
         def fn(module: nn.Module, inputs: Any, output: Tensor) -> None:
             positions[name] = positions.get(name, 0) + int(output[0, 0].numel())
+            in_positions[name] = in_positions.get(name, 0) + int(inputs[0][0, 0].numel())
 
         return fn
 
@@ -325,6 +327,7 @@ def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[d
                 "layer": name,
                 "type": type(m).__name__,
                 "T": t,
+                "S": in_positions.get(name, 0),
                 "G": g,
                 "n_a": n_a,
                 "n_g": n_g,
@@ -370,7 +373,9 @@ def transform_macs(rows: list[dict[str, Any]], kfc: dict[str, Any]) -> list[dict
     DP-SGD computes too) and of the DP-KFC transform on the path the preconditioner picks.
 
     Mirrors ``KroneckerBlock._cost``; transposed convolutions form raw gradients on their input
-    grid and always transform them (``n_g^2 n_a + n_g n_a^2``).
+    grid and always transform them (``n_g^2 n_a + n_g n_a^2``). A ``conv_a="kron"`` convolution
+    mixes its input's ``S`` positions by ``U_C`` and its per-sample gradient by ``U_K``
+    (``S C^2 + n_g C K^2``, see ``KronA.mix_channels``).
     """
     cfg = {**default_kfc_config(), **kfc}
     max_dim, factors = int(cfg["max_factor_dim"]), str(cfg["factors"])
@@ -381,10 +386,11 @@ def transform_macs(rows: list[dict[str, Any]], kfc: dict[str, Any]) -> list[dict
         full_g = factors == "ag" and n_g <= max_dim
         raw = t * g * n_a * n_g
         a_row = full_a * n_a * n_a  # one row times U_A
-        if cfg.get("conv_a") == "kron" and full_a and g == 1 and r["type"] in _KRON_TYPES:
-            a_row = r["C"] * r["K"] * (r["C"] + r["K"])
         materialized = g * (full_g * n_g * n_g * n_a + n_g * a_row)
-        if r["type"].startswith("ConvTranspose"):
+        if cfg.get("conv_a") == "kron" and full_a and g == 1 and r["type"] in _KRON_TYPES:
+            c, k = r["C"], r["K"]
+            extra = r.get("S", t) * c * c + n_g * c * k * k + full_g * n_g * n_g * n_a
+        elif r["type"].startswith("ConvTranspose"):
             raw //= max(int(r.get("stride_prod", 1)), 1)
             extra = materialized
         else:

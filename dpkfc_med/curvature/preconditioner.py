@@ -128,8 +128,9 @@ class PreconditionerConfig:
             of the same probe ``A`` (``A_C = tr_K A / K``, ``A_K = tr_C A / C``, rescaled so
             ``tr(A_C (x) A_K) = tr A``; the bias coordinate gets ``(1 + damping_a)^{-1/2}``).
             An approximation of the preconditioner that makes the per-sample transform cost
-            ``C K (C + K)`` instead of ``(C K)^2`` per position (8x less on the small CNN's
-            conv2); still probe-only, so the privacy argument is unchanged. Opt-in: its
+            ``S C^2 + n_g C K^2`` (``U_C`` on the layer input's ``S`` positions before the
+            unfold, ``U_K`` on the per-sample gradient) instead of up to ``T (C K)^2``;
+            still probe-only, so the privacy argument is unchanged. Opt-in: its
             accuracy is in ``benchmarks/results``.
     """
 

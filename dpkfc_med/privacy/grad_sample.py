@@ -2,11 +2,13 @@
 
 :class:`PreconditionedGradSampleModule` is an Opacus ``GradSampleModule`` whose grad samplers
 for covered layers (Linear, ConvNd, ConvTransposeNd) produce ``s U_G g_i U_A`` directly from
-the captured activations and output errors (``(U_G delta)(U_A a)^T`` summed over positions, or
-the transform of the per-sample gradient, whichever is cheaper; transposed convolutions always
-transform per-sample gradients formed on their input grid). Layers without an attached
-preconditioner block use Opacus' own samplers unchanged, so DP-SGD through this module is
-bit-for-bit Opacus. Everything downstream (clipping, noise, accounting) sees ordinary
+the captured activations and output errors: from the layer's rows without a bias column
+(``KroneckerBlock.sample_grads``: ``(U_G delta)(U_A a)^T`` summed over positions, or the
+transform of the per-sample gradient, whichever is cheaper; a ``conv_a="kron"`` layer mixes its
+input's channels by ``U_C`` first), written straight into per-parameter buffers. Transposed
+convolutions transform per-sample gradients formed on their input grid. Layers without an
+attached preconditioner block use Opacus' own samplers unchanged, so DP-SGD through this
+module is bit-for-bit Opacus. Everything downstream (clipping, noise, accounting) sees ordinary
 ``grad_sample`` tensors.
 """
 

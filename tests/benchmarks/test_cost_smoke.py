@@ -89,3 +89,17 @@ def test_memory_job_structure(cost, fast_build):
     res = cost.measure_memory_job(job)
     assert res["method"] == "dp-sgd" and res["step_peak_mib"] > 0
     assert res["primary_mib"] >= 0 and "how" in res
+
+
+def test_transform_macs_follow_the_sampler_paths(cost, fast_build):
+    """Per-sample multiply-adds of the small CNN's conv2 (16 -> 32 channels, 4x4 kernel,
+    13x13 input, 5x5 output), counted by hand for the full and the kron factor."""
+    rows = cost.layer_footprint(cost.CASES["small_cnn"], (28, 28))
+    conv2 = next(r for r in rows if r["C"] == 16)
+    assert (conv2["T"], conv2["S"], conv2["n_a"], conv2["n_g"]) == (25, 169, 257, 32)
+    full = {m["layer"]: m for m in cost.transform_macs(rows, {})}[conv2["layer"]]
+    kron = {m["layer"]: m for m in cost.transform_macs(rows, {"conv_a": "kron"})}
+    assert full["raw"] == 25 * 257 * 32
+    assert full["transform"] == min(25, 32) * 257 * 257  # factored: rows times U_A
+    # U_C on the 169 input positions, U_K on the per-sample gradient's 32 x 16 blocks
+    assert kron[conv2["layer"]]["transform"] == 169 * 16 * 16 + 32 * 16 * 16 * 16
