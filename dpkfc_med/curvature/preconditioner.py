@@ -322,7 +322,7 @@ class KronA:
         unfold it would replace, on CPU.)
         """
         b, c = x.shape[:2]
-        return torch.bmm(self.u_c.expand(b, c, c), x.reshape(b, c, -1)).view(x.shape)
+        return torch.matmul(self.u_c, x.reshape(b, c, -1)).view(x.shape)
 
     def right_k(self, x: Tensor, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
         """``s x (I (x) U_K)`` for ``x [..., C K]`` contiguous: one matmul (into ``out``)."""

@@ -34,7 +34,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch import Tensor
 
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner
-from dpkfc_med.privacy.grad_sample import RAW_NORM_SAMPLES
+from dpkfc_med.privacy.grad_sample import raw_norm_samples
 from dpkfc_med.privacy.rng import secure_normal
 
 __all__ = ["BudgetExhaustedError", "ScaleThenPrivatizeOptimizer", "StepDiagnostics"]
@@ -56,7 +56,7 @@ class StepDiagnostics:
         clipped_fraction: fraction of units whose transformed norm exceeded ``C``.
         median_transformed_norm: median per-unit norm after preconditioning.
         median_raw_norm: median per-sample norm before preconditioning (first
-            ``RAW_NORM_SAMPLES`` samples; per sample, not per unit).
+            ``raw_norm_samples(batch)`` samples; per sample, not per unit).
         layer_share: each layer's share of the transformed squared norm (batch total).
     """
 
@@ -144,7 +144,8 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             fb = fallbacks.get(id(p))
             if fb is not None and p.grad_sample is not None:
                 gs = self._get_flat_grad_sample(p)
-                p._dpkfc_raw_sq = gs[:RAW_NORM_SAMPLES].pow(2).flatten(1).sum(1)  # type: ignore[attr-defined]
+                m = raw_norm_samples(gs.shape[0])
+                p._dpkfc_raw_sq = gs[:m].pow(2).flatten(1).sum(1)  # type: ignore[attr-defined]
                 p.grad_sample = fb.transform(gs)
 
     def _per_unit(self, grad: Tensor) -> Tensor:
@@ -210,7 +211,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
                 raw_parts.append(p._dpkfc_raw_sq)  # type: ignore[attr-defined]
             else:  # not preconditioned: raw == transformed
                 gs = self._get_flat_grad_sample(p)
-                raw_parts.append(gs[:RAW_NORM_SAMPLES].pow(2).flatten(1).sum(1))
+                raw_parts.append(gs[: raw_norm_samples(gs.shape[0])].pow(2).flatten(1).sum(1))
         m = min(len(r) for r in raw_parts) if raw_parts else 0
         raw_sq = sum(r[:m].detach().double().cpu() for r in raw_parts) if m else None
         return StepDiagnostics(

@@ -21,6 +21,7 @@ from dpkfc_med.privacy.accounting import (
     epsilon_for,
 )
 from dpkfc_med.privacy.engine import PrivacyEngine
+from dpkfc_med.privacy.grad_sample import raw_norm_samples
 from dpkfc_med.privacy.optimizer import BudgetExhaustedError
 from dpkfc_med.privacy.rng import SecurePoissonSampler, secure_normal
 from tests.conftest import GaussianProbes, per_sample_ce, summed_clipped, tiny_cnn_2d, tiny_cnn_3d
@@ -391,8 +392,8 @@ def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
     """Covered layers' grad_sample = s U_G g_i U_A of brute-force per-sample gradients.
 
     40 samples run through the sampler in one chunk, or (``chunked``) in chunks of
-    16, 16, 8; the first 16 raw norms kept for diagnostics are the untransformed per-sample
-    norms.
+    16, 16, 8; the raw norms kept for diagnostics (first 40 // 16 samples) are the
+    untransformed per-sample norms.
     """
     if chunked:
         monkeypatch.setattr("dpkfc_med.privacy.grad_sample.SINGLE_CHUNK_ELEMENTS", 0)
@@ -421,7 +422,9 @@ def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
         want = block.adapter.to_params(module, block.transform_grads(raw))
         for p in params:
             torch.testing.assert_close(p.grad_sample, want[p], msg=name)
-        torch.testing.assert_close(module._dpkfc_raw_sq, raw[:16].pow(2).flatten(1).sum(1))
+        m = raw_norm_samples(len(x))
+        assert m == 2  # one in 16 of the batch
+        torch.testing.assert_close(module._dpkfc_raw_sq, raw[:m].pow(2).flatten(1).sum(1))
 
 
 def test_empty_poisson_batch_is_a_pure_noise_step(float64):
