@@ -252,7 +252,7 @@ def _raw_sq(a: Tensor, delta: Tensor, has_bias: bool, raw_w: Tensor | None = Non
     return out
 
 
-def raw_sq(block: KroneckerBlock, a: Tensor, delta: Tensor) -> Tensor:
+def raw_norms_sq(block: KroneckerBlock, a: Tensor, delta: Tensor) -> Tensor:
     """Squared raw per-sample norms ``[B]`` of ``block``'s layer from rows ``[B, G, T, n_w]``."""
     return _raw_sq(a, delta, block.dims[1] > a.shape[-1])
 
@@ -294,20 +294,10 @@ class KronA:
         return c * k * min(c + k, c * k)
 
     def right_w(self, x: Tensor) -> Tensor:
-        """``x [..., r, C K] -> x (U_C (x) U_K)`` on the last dimension (weight coordinates).
-
-        Rows that are a transposed view of channel-first patches (``x.stride(-2) == 1``,
-        a convolution's ``rows``) are transformed in that layout, where both factors are
-        plain batched products without copies.
-        """
+        """``x [..., C K] -> x (U_C (x) U_K)`` on the last dimension (weight coordinates)."""
         if self.dense is not None:
             return x @ self.dense
         c, k = self.u_c.shape[0], self.u_k.shape[0]
-        if x.dim() >= 2 and x.stride(-2) == 1 and x.stride(-1) != 1:
-            cols = x.transpose(-1, -2)  # [..., C K, r], contiguous
-            lead, r = cols.shape[:-2], cols.shape[-1]
-            y = (self.u_c @ cols.reshape(*lead, c, k * r)).reshape(*lead, c, k, r)
-            return (self.u_k @ y).reshape(*lead, c * k, r).transpose(-1, -2)
         w = x.reshape(*x.shape[:-1], c, k)
         return (self.u_c @ w @ self.u_k).reshape(*x.shape[:-1], c * k)
 
@@ -508,7 +498,7 @@ class KroneckerBlock:
                 this many samples (diagnostics).
             mixed: ``a`` are rows of the input after :meth:`KronA.mix_channels` (``U_C``
                 already applied; ``U_K`` is applied to the per-sample gradient, on the
-                materialized path). Raw norms then need unmixed rows: use :func:`raw_sq`.
+                materialized path). Raw norms then need unmixed rows: use :func:`raw_norms_sq`.
             out: contiguous ``([B, G, n_g, n_w], [B, G, n_g] or None)`` buffers to write
                 the result into (each result is written once; on CPU every fresh large
                 temporary costs page faults comparable to its arithmetic).
@@ -520,8 +510,10 @@ class KroneckerBlock:
         b, g, t, n_w = a.shape
         n_g = delta.shape[-1]
         has_bias = self.dims[1] > n_w
+        if mixed and self.a_kron is None:
+            raise ValueError(f"{self.name}: mixed rows need a kron U_A (conv_a='kron')")
         if mixed and raw_norms:
-            raise ValueError("raw norms need unmixed rows; use raw_sq()")
+            raise ValueError("raw norms need unmixed rows; use raw_norms_sq()")
         w_out, b_out = out if out is not None else (None, None)
         if w_out is None:
             w_out = a.new_empty(b, g, n_g, n_w)

@@ -24,8 +24,7 @@ from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for, supported_layer_types
-from dpkfc_med.curvature.preconditioner import KroneckerBlock
-from dpkfc_med.curvature.preconditioner import raw_sq as raw_norms_sq
+from dpkfc_med.curvature.preconditioner import KroneckerBlock, raw_norms_sq
 
 __all__ = ["PreconditionedGradSampleModule", "RAW_NORM_SAMPLES", "raw_norm_samples"]
 
@@ -55,7 +54,7 @@ a Linear layer, a small late convolution) is transformed in one chunk: splitting
 no memory worth having and makes its matmuls 2x slower (the small CNN's 512-wide Linear)."""
 
 
-def _sample_chunk(batch: int, row_elements: int = SINGLE_CHUNK_ELEMENTS + 1) -> int:
+def _sample_chunk(batch: int, row_elements: int | None = None) -> int:
     """Samples per unfold in a covered layer's sampler (``row_elements``: rows per sample).
 
     The factored path holds the unfolded input, its transform and the transformed errors at
@@ -65,7 +64,7 @@ def _sample_chunk(batch: int, row_elements: int = SINGLE_CHUNK_ELEMENTS + 1) -> 
     peak memory from 1.7x to 1.0x Opacus' but cost 1.29x instead of 1.10x its step time,
     while the refresh, not the step, sets dp-kfc's peak there.
     """
-    if batch * row_elements <= SINGLE_CHUNK_ELEMENTS:
+    if row_elements is not None and batch * row_elements <= SINGLE_CHUNK_ELEMENTS:
         return max(batch, 1)
     return max(RAW_NORM_SAMPLES, -(-batch // 4))
 

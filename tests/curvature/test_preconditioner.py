@@ -336,3 +336,6 @@ def test_kron_step_on_channel_mixed_input_equals_explicit_kronecker(make, shape,
     torch.testing.assert_close(w if b is None else torch.cat([w, b.unsqueeze(-1)], -1), want)
     with pytest.raises(ValueError, match="unmixed rows"):
         block.sample_grads(rows, adapter.error_rows(module, dy), mixed=True, raw_norms=2)
+    block.a_kron = None
+    with pytest.raises(ValueError, match="l: mixed rows need a kron"):
+        block.sample_grads(rows, adapter.error_rows(module, dy), mixed=True)
