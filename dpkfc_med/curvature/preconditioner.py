@@ -403,15 +403,21 @@ class KroneckerBlock:
         factored, materialized = self._cost(b, t)
         return "factored" if factored <= materialized else "materialized"
 
-    def raw_grads(self, x: Tensor, dy: Tensor, chunk: int = 1) -> Tensor:
+    def raw_grads(self, x: Tensor, dy: Tensor, chunk: int | None = None) -> Tensor:
         """Untransformed per-sample gradients ``[B, G, n_g, n_a]`` from layer input/output error.
 
         Layers with an unfold-free formula (transposed convolutions) use it; others unfold
         ``chunk`` samples at a time, so a 64^3 volume never holds the whole batch's patches.
+        By default a chunk holds at most ``2^20`` patch elements (at least one sample): the
+        small CNN's 16 calibration samples go in one piece, a 64^3 volume one at a time.
         """
         ad, module = self.adapter, self.module
         if ad.param_grads is not None:
             return ad.from_params(module, ad.param_grads(module, x, dy))
+        if chunk is None:
+            g, n_a, n_g = self.dims
+            rows = max(1, math.prod(dy.shape[1:]) // (g * n_g)) * g * n_a  # T G n_a
+            chunk = max(1, (1 << 20) // rows)
         parts = [
             outer_sum(
                 ad.errors(module, dy[s : s + chunk]), ad.activations(module, x[s : s + chunk])
