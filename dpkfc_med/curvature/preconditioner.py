@@ -424,6 +424,9 @@ class KroneckerBlock:
             )
             for s in range(0, x.shape[0], chunk)
         ]
+        if not parts:  # an empty (Poisson) batch
+            g, n_a, n_g = self.dims
+            return x.new_zeros(0, g, n_g, n_a)
         return torch.cat(parts)
 
     def transform_grads(self, grads: Tensor) -> Tensor:

@@ -339,3 +339,10 @@ def test_kron_step_on_channel_mixed_input_equals_explicit_kronecker(make, shape,
     block.a_kron = None
     with pytest.raises(ValueError, match="l: mixed rows need a kron"):
         block.sample_grads(rows, adapter.error_rows(module, dy), mixed=True)
+
+
+def test_raw_grads_of_an_empty_batch(float64):
+    module = nn.Conv2d(2, 3, 3, groups=1)
+    block = KroneckerBlock("l", module, adapter_for(module))
+    out = block.raw_grads(torch.zeros(0, 2, 5, 5), torch.zeros(0, 3, 3, 3))
+    assert out.shape == (0, 1, 3, 19)
