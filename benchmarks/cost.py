@@ -280,11 +280,21 @@ def probe_loss(outputs: Tensor, targets: Tensor) -> Tensor:
     return loss.flatten(1).mean(1) if loss.dim() > 1 else loss
 
 
-def default_refresh_every() -> int:
-    """The engine's default refresh period (read from its signature)."""
+def _engine_default(name: str) -> Any:
     from dpkfc_med.privacy.engine import PrivacyEngine
 
-    return int(inspect.signature(PrivacyEngine.make_private).parameters["refresh_every"].default)
+    return inspect.signature(PrivacyEngine.make_private).parameters[name].default
+
+
+def default_refresh_every() -> int | str:
+    """The engine's default refresh period (read from its signature): ``"auto"`` or steps."""
+    value = _engine_default("refresh_every")
+    return value if value == "auto" else int(value)
+
+
+def default_refresh_budget() -> float:
+    """The engine's default ``refresh_budget`` (share of training time for ``"auto"``)."""
+    return float(_engine_default("refresh_budget"))
 
 
 def default_kfc_config() -> dict[str, Any]:
@@ -295,48 +305,12 @@ def default_kfc_config() -> dict[str, Any]:
 
 
 def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[dict[str, Any]]:
-    """Per covered layer: positions ``T`` and factor sizes, from one CPU forward of one sample."""
-    from dpkfc_med.curvature.adapters import adapter_for
-    from dpkfc_med.curvature.factors import covered_layers
+    """Per covered layer: positions ``T``/``S`` and factor sizes, from one CPU forward of one
+    sample (:func:`dpkfc_med.curvature.cost.layer_footprint`), as plain dicts."""
+    from dpkfc_med.curvature.cost import layer_footprint as footprint
 
     model, _ = build_network(case, seed)
-    layers = covered_layers(model)
-    positions: dict[str, int] = {}
-    in_positions: dict[str, int] = {}
-
-    def hook(name: str) -> Callable[..., None]:
-        def fn(module: nn.Module, inputs: Any, output: Tensor) -> None:
-            positions[name] = positions.get(name, 0) + int(output[0, 0].numel())
-            in_positions[name] = in_positions.get(name, 0) + int(inputs[0][0, 0].numel())
-
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
-    try:
-        with torch.no_grad():
-            model(make_batch(case, 1, shape, seed)[0])
-    finally:
-        for h in handles:
-            h.remove()
-    rows = []
-    for name, m in layers.items():
-        g, n_a, n_g = adapter_for(m).dims(m)  # type: ignore[union-attr]
-        t = positions.get(name, 0)
-        rows.append(
-            {
-                "layer": name,
-                "type": type(m).__name__,
-                "T": t,
-                "S": in_positions.get(name, 0),
-                "G": g,
-                "n_a": n_a,
-                "n_g": n_g,
-                "stride_prod": math.prod(getattr(m, "stride", (1,))),
-                "C": int(getattr(m, "in_channels", 0)),
-                "K": math.prod(getattr(m, "kernel_size", (1,))),
-            }
-        )
-    return rows
+    return [r.to_dict() for r in footprint(model, make_batch(case, 1, shape, seed)[0])]
 
 
 def refresh_bytes_per_probe(rows: list[dict[str, Any]], max_positions: int | None) -> int:
@@ -365,39 +339,35 @@ def step_bytes_per_sample(rows: list[dict[str, Any]]) -> int:
     )
 
 
-_KRON_TYPES = ("Conv1d", "Conv2d", "Conv3d")
-
-
 def transform_macs(rows: list[dict[str, Any]], kfc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per covered layer and per sample: multiply-adds of the raw per-sample gradient (what
-    DP-SGD computes too) and of the DP-KFC transform on the path the preconditioner picks.
+    """Per covered layer and per sample: multiply-adds of the raw per-sample gradient and of
+    the DP-KFC transform (:func:`dpkfc_med.curvature.cost.transform_macs`)."""
+    from dpkfc_med.curvature import cost as cc
 
-    Mirrors ``KroneckerBlock._cost``; transposed convolutions form raw gradients on their input
-    grid and always transform them (``n_g^2 n_a + n_g n_a^2``). A ``conv_a="kron"`` convolution
-    mixes its input's ``S`` positions by ``U_C`` and its per-sample gradient by ``U_K``
-    (``S C^2 + n_g C K^2``, see ``KronA.mix_channels``).
-    """
     cfg = {**default_kfc_config(), **kfc}
-    max_dim, factors = int(cfg["max_factor_dim"]), str(cfg["factors"])
-    out = []
-    for r in rows:
-        t, g, n_a, n_g = r["T"], r["G"], r["n_a"], r["n_g"]
-        full_a = factors != "identity" and n_a <= max_dim
-        full_g = factors == "ag" and n_g <= max_dim
-        raw = t * g * n_a * n_g
-        a_row = full_a * n_a * n_a  # one row times U_A
-        materialized = g * (full_g * n_g * n_g * n_a + n_g * a_row)
-        if cfg.get("conv_a") == "kron" and full_a and g == 1 and r["type"] in _KRON_TYPES:
-            c, k = r["C"], r["K"]
-            extra = r.get("S", t) * c * c + n_g * c * k * k + full_g * n_g * n_g * n_a
-        elif r["type"].startswith("ConvTranspose"):
-            raw //= max(int(r.get("stride_prod", 1)), 1)
-            extra = materialized
-        else:
-            factored = t * g * (a_row + full_g * n_g * n_g)
-            extra = min(factored, materialized)
-        out.append({"layer": r["layer"], "type": r["type"], "raw": raw, "transform": extra})
-    return out
+    return cc.transform_macs([cc.LayerFootprint(**r) for r in rows], cfg)
+
+
+def auto_refresh_plan(
+    rows: list[dict[str, Any]], kfc: dict[str, Any], batch: int, extrapolated: bool
+) -> dict:
+    """The engine's ``refresh_every="auto"`` period for this model and batch.
+
+    With ``extrapolated`` (full mode: the measured refresh is extrapolated to the default probe
+    count) it is computed for the defaults, dropping the overrides that do not change the
+    preconditioner's structure; otherwise for the overrides as measured.
+    """
+    from dpkfc_med.curvature import cost as cc
+    from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+
+    if extrapolated:
+        kfc = {k: v for k, v in kfc.items() if k not in STEP_NEUTRAL_OVERRIDES}
+    return cc.auto_refresh_every(
+        [cc.LayerFootprint(**r) for r in rows],
+        PreconditionerConfig(**kfc),
+        batch,
+        default_refresh_budget(),
+    )
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -992,8 +962,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def analyse(mr: dict[str, Any], refresh_every: int) -> dict[str, Any]:
-    """Ratios vs Opacus, amortised refresh cost and target verdicts for one model."""
+def analyse(mr: dict[str, Any], refresh_every: int | str) -> dict[str, Any]:
+    """Ratios vs Opacus, amortised refresh cost and target verdicts for one model.
+
+    ``refresh_every="auto"`` amortises at the model's ``refresh_plan`` period (the engine's
+    deterministic choice for this model and batch); the share at the shortest auto period
+    (20, the fixed default before 2026-12-01) is kept for comparison.
+    """
+    from dpkfc_med.curvature.cost import AUTO_REFRESH_BASE
+
+    if refresh_every == "auto":
+        refresh_every = int((mr.get("refresh_plan") or {}).get("refresh_every", AUTO_REFRESH_BASE))
+    refresh_every = int(refresh_every)
     t = {m: s["median_ms"] for m, s in mr["methods"].items()}
     mem = {r["method"]: r.get("primary_mib") for r in mr.get("memory", []) if "error" not in r}
     names = [m for m in METHODS if m in t or m in mem]
@@ -1016,6 +996,8 @@ def analyse(mr: dict[str, Any], refresh_every: int) -> dict[str, Any]:
             "refresh_s": r_s,
             "refresh_extrapolated": refresh["extrapolated"],
             "share_at_default_period": r_s / (refresh_every * step_s + r_s),
+            "share_at_base_period": r_s / (AUTO_REFRESH_BASE * step_s + r_s),
+            "base_period": AUTO_REFRESH_BASE,
             "epoch_samples": mr["epoch_samples"],
             "epoch_data": mr["epoch_data"],
             "steps_per_epoch": steps_epoch,
@@ -1047,6 +1029,16 @@ def analyse(mr: dict[str, Any], refresh_every: int) -> dict[str, Any]:
 
 
 NON_DEFAULT = " (non-default config, see notes)"
+
+
+def _period_text(mr: dict[str, Any], am: dict[str, Any]) -> str:
+    plan = mr.get("refresh_plan") or {}
+    if plan.get("refresh_every") == am["refresh_every"] and "estimated_share" in plan:
+        return (
+            f"refresh_every=auto: every {am['refresh_every']} steps, estimated "
+            f"{100 * plan['estimated_share']:.1f}% from multiply-adds"
+        )
+    return f"refresh_every={am['refresh_every']}"
 
 
 def _verdict(value: float | None, limit: float, note: str, strict: bool = False) -> str:
@@ -1217,8 +1209,10 @@ def _model_markdown(mr: dict[str, Any]) -> list[str]:
             f"{_fmt(c.get('inverse_s'), '.3f')} s, scale calibration "
             f"{_fmt(c.get('calibration_s'), '.3f')} s.",
             "",
-            f"Amortised at the default refresh_every={am['refresh_every']}: "
-            f"{100 * am['share_at_default_period']:.1f}% of training time. Per epoch of "
+            f"Amortised at the default refresh period ({_period_text(mr, am)}): "
+            f"{100 * am['share_at_default_period']:.1f}% of training time "
+            f"({100 * am.get('share_at_base_period', am['share_at_default_period']):.1f}% at "
+            f"refresh_every={am.get('base_period', am['refresh_every'])}). Per epoch of "
             f"{am['epoch_data']} at batch {mr['batch']}: {am['steps_per_epoch']} steps = "
             f"{am['epoch_training_s']:.1f} s training + {am['refreshes_per_epoch']} refreshes = "
             f"{am['epoch_refresh_s']:.1f} s ({100 * am['epoch_share']:.1f}%). refresh_every >= "
@@ -1289,7 +1283,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"- Peak memory: {result['memory_method']}; each (model, method) in a fresh process.",
         f"- dp-kfc: `PreconditionerConfig()` defaults ({result['preconditioner_config']}) unless "
         "a model's notes say otherwise; refresh timed separately, amortised at the default "
-        f"refresh_every={result['refresh_every_default']}.",
+        f"refresh_every={result['refresh_every_default']} (per model below).",
         f"- Targets: dp-kfc step <= {TARGETS['step_ratio_max']}x Opacus, peak memory <= "
         f"{TARGETS['memory_ratio_max']}x Opacus, refresh < "
         f"{100 * TARGETS['refresh_share_max']:.0f}% of training time.",
@@ -1361,6 +1355,7 @@ class Plan:
     batch_note: str = ""
     calibration: list[dict[str, Any]] = field(default_factory=list)
     footprint: dict[str, Any] = field(default_factory=dict)
+    refresh_plan: dict[str, Any] = field(default_factory=dict)
     steps: int = 8
     rounds: int = 5
     warmup: int = 3
@@ -1452,6 +1447,7 @@ def plan_model(
                     plan.steps -= 1
                 else:
                     plan.rounds -= 1
+    plan.refresh_plan = auto_refresh_plan(rows, kfc, plan.batch, extrapolated=not quick)
     return plan
 
 
@@ -1574,6 +1570,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] | None 
                 "kfc_notes": plan.notes,
                 "kfc_default_probes": default_cfg["num_probes"],
                 "memory_footprint_estimate": plan.footprint,
+                "refresh_plan": plan.refresh_plan,
                 "epoch_samples": case.epoch_samples,
                 "epoch_data": case.epoch_data,
             }

@@ -27,6 +27,11 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from dpkfc_med.curvature.cost import (
+    auto_refresh_every,
+    layer_footprint,
+    refresh_settings_problems,
+)
 from dpkfc_med.curvature.factors import LossFn, covered_layers
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
@@ -144,6 +149,7 @@ class PrivacyEngine:
         self.probe_loss: LossFn | None = None
         self.preconditioner_config: PreconditionerConfig | None = None
         self.refresh_every = 0
+        self.refresh_plan: dict[str, Any] = {}
         self.probe_seed = 0
         self.refreshes: list[dict[str, Any]] = []
         self.sample_rate = 0.0
@@ -164,7 +170,8 @@ class PrivacyEngine:
         probe_source: Any = None,
         probe_loss: LossFn | None = None,
         preconditioner: PreconditionerConfig | None = None,
-        refresh_every: int = 20,
+        refresh_every: int | str = "auto",
+        refresh_budget: float = 0.05,
         probe_seed: int = 0,
         max_steps: int | None = None,
         loss_reduction: str = "mean",
@@ -187,7 +194,13 @@ class PrivacyEngine:
             probe_loss: per-sample loss on probes ``(outputs, targets) -> [M]``.
             preconditioner: preconditioner settings (dp-kfc).
             refresh_every: rebuild the preconditioner every this many steps (0: never after
-                step 0).
+                step 0), or ``"auto"`` (default): every ``20 * 2^k`` steps, the shortest such
+                period at which the refreshes' estimated share of training time stays within
+                ``refresh_budget`` (multiply-add estimates from the layer shapes,
+                :mod:`dpkfc_med.curvature.cost`: deterministic, so the same model, input size,
+                batch and settings always get the same schedule; 20 for the small CNN on
+                28x28 images, longer for large networks and volumes).
+            refresh_budget: the share of training time ``"auto"`` allows refreshes.
             probe_seed: seed of the first probe batch; refresh ``k`` uses ``probe_seed + k``.
             max_steps: refuse steps beyond this (the privacy plan).
             loss_reduction: ``"mean"`` or ``"sum"`` of the training loss over the batch.
@@ -208,6 +221,8 @@ class PrivacyEngine:
                 "method=dp-kfc needs probe_source and probe_loss (e.g. "
                 "dpkfc_med.probes.ImageProbeSource and a per-sample loss); or use method=dp-sgd"
             )
+        if self.method is Method.DP_KFC:
+            problems += refresh_settings_problems(refresh_every, refresh_budget)
         if problems:
             raise ValueError("invalid privacy settings:\n  " + "\n  ".join(problems))
         check_model_compatible(module)
@@ -252,10 +267,16 @@ class PrivacyEngine:
         if self.method is Method.DP_KFC:
             self.probe_source, self.probe_loss = probe_source, probe_loss
             self.preconditioner_config = preconditioner or PreconditionerConfig()
-            self.refresh_every, self.probe_seed = refresh_every, probe_seed
-            self._check_probe_shape(data_loader)
+            self.probe_seed = probe_seed
+            probe = self._check_probe_shape(data_loader)
+            if refresh_every == "auto":
+                self.refresh_plan = self._auto_refresh(probe, expected, refresh_budget)
+                self.refresh_every = int(self.refresh_plan["refresh_every"])
+            else:
+                self.refresh_plan = {"refresh_every": int(refresh_every), "rule": "fixed"}
+                self.refresh_every = int(refresh_every)
             self.refresh_preconditioner()
-            if refresh_every > 0:
+            if self.refresh_every > 0:
                 opt.post_step_hooks.append(self._maybe_refresh)
         return gsm, opt, loader
 
@@ -312,7 +333,23 @@ class PrivacyEngine:
         assert self.module is not None
         return self.module._module
 
-    def _check_probe_shape(self, data_loader: DataLoader) -> None:
+    def _auto_refresh(self, probe: Tensor, batch: int, budget: float) -> dict[str, Any]:
+        """The ``refresh_every="auto"`` period from the covered layers' shapes on one probe."""
+        assert self.module is not None and self.preconditioner_config is not None
+        self.module.disable_hooks()
+        try:
+            model = self._probe_module()
+            ref = next(model.parameters())
+            dtype = ref.dtype if probe.is_floating_point() else probe.dtype
+            with torch.random.fork_rng(devices=[]):
+                rows = layer_footprint(model, probe.to(device=ref.device, dtype=dtype))
+        finally:
+            self.module.enable_hooks()
+        plan = auto_refresh_every(rows, self.preconditioner_config, batch, budget)
+        return {"rule": "auto", **plan}
+
+    def _check_probe_shape(self, data_loader: DataLoader) -> Tensor:
+        """Check one probe against the training data's shape; return that probe's input."""
         first = data_loader.dataset[0]
         x = first[0] if isinstance(first, (tuple, list)) else first.get("image")  # type: ignore[union-attr]
         probe = self.probe_source.sample(1, seed=0, model=self._probe_module())
@@ -323,6 +360,7 @@ class PrivacyEngine:
                 f"data has {list(x.shape)}; set the probe source's spatial_shape/channels to "
                 "match the (preprocessed) private inputs"
             )
+        return px
 
     def refresh_preconditioner(self) -> KroneckerPreconditioner:
         """Rebuild the preconditioner from fresh probes at the current parameters."""
@@ -386,6 +424,7 @@ class PrivacyEngine:
             "method": self.method.value,
             "probe_source": describe() if describe else repr(self.probe_source),
             "refresh_every": self.refresh_every,
+            "refresh_plan": self.refresh_plan,
             "refreshes": self.refreshes,
             "preconditioner": pre.summary() if pre else None,
             "covered_layers": list(covered_layers(self._probe_module())),

@@ -485,6 +485,13 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
     schedule = (
         f"built at step 0, then every {refresh} steps" if refresh else "built once, at step 0"
     )
+    plan = pre.get("refresh_plan") or {}
+    if plan.get("rule") == "auto":
+        schedule += (
+            f" (refresh_every: auto; refreshes estimated at "
+            f"{100 * plan['estimated_share']:.1f} % of training time, budget "
+            f"{100 * plan['budget']:g} %)"
+        )
     rows: list[tuple[Inline, Any]] = [
         ("Uses private data", pre["uses_private_data"]),
         ("Source", preconditioner_statement(report)),

@@ -23,6 +23,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.utils import did_you_mean
 
@@ -166,7 +167,8 @@ class ProbeConfig:
     preset: str = "natural"
     alpha: float | None = None
     num_probes: int = 256
-    refresh_every: int = 20
+    refresh_every: int | str = "auto"
+    refresh_budget: float = 0.05
     target: str = "uniform"
     seed: int = 0
     public_data: str | None = None
@@ -331,6 +333,10 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
     nm = cfg.privacy.noise_multiplier
     if nm is not None and isinstance(nm, float) and not nm > 0:
         problems.append(f"privacy.noise_multiplier={nm!r}: must be > 0 (or null to calibrate)")
+    problems.extend(
+        f"probes.{msg}"
+        for msg in refresh_settings_problems(cfg.probes.refresh_every, cfg.probes.refresh_budget)
+    )
     if cfg.method == Method.DP_KFC_PUBLIC.value and not cfg.probes.public_data:
         problems.append(
             "probes.public_data: required for method dp-kfc-public (path to a public .npz)"

@@ -320,6 +320,7 @@ def train(
                 "probe_loss": task.probe_loss,
                 "preconditioner": cfg.preconditioner_config(),
                 "refresh_every": cfg.probes.refresh_every,
+                "refresh_budget": cfg.probes.refresh_budget,
                 "probe_seed": cfg.probes.seed,
             }
         pmodel, popt, loader = engine.make_private(
@@ -657,6 +658,7 @@ def build_report(
                 ),
                 "probe_source": src,
                 "refresh_every": prov["refresh_every"],
+                "refresh_plan": prov.get("refresh_plan", {}),
                 "refreshes": prov["refreshes"],
                 "covered_layers": prov["covered_layers"],
                 "config": (prov.get("preconditioner") or {}).get("config", {}),

@@ -543,3 +543,18 @@ def test_segmentation_report_with_undefined_values(tmp_path):
     stored = json.loads(paths["json"].read_text())
     assert stored["history"]["loss"][3] is None and stored["metrics"]["test"]["dice"][1] is None
     assert "| tumour | n/a |" in paths["markdown"].read_text()
+
+
+def test_auto_refresh_schedule_is_stated_with_its_estimate():
+    report = example_report()
+    assert "refresh_every: auto" not in render_markdown(report)  # a fixed period says nothing
+    report["preconditioner"]["refresh_plan"] = {
+        "rule": "auto",
+        "refresh_every": 50,
+        "estimated_share": 0.031,
+        "budget": 0.05,
+    }
+    assert validate_report(report) == []
+    md = render_markdown(report)
+    assert "then every 50 steps (refresh_every: auto; refreshes estimated at 3.1 %" in md
+    assert "budget 5 %" in md

@@ -171,6 +171,8 @@ def _bad_npz(tmp_path: Path, **changes) -> Path:
         ("resize_axes", r"data.resize=\[64\]: must be 2 positive integers"),
         ("adambc_gamma", r"training.adambc_gamma=-1.0: must be a positive number"),
         ("optimizer_choice", r"training.optimizer='adamw': not allowed.*'adambc'"),
+        ("refresh_every", r"probes.refresh_every='weekly': must be 'auto' or a whole number"),
+        ("refresh_budget", r"probes.refresh_budget=2.0: must be a share of training time"),
     ],
 )
 def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, capsys):
@@ -216,6 +218,10 @@ def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, caps
         sections["training"] = {"optimizer": "adambc", "adambc_gamma": -1.0}
     elif case == "optimizer_choice":
         sections["training"] = {"optimizer": "adamw"}
+    elif case == "refresh_every":
+        sections["probes"] = {"preset": "xray", "refresh_every": "weekly"}
+    elif case == "refresh_budget":
+        sections["probes"] = {"preset": "xray", "refresh_budget": 2.0}
     out = tmp_path / "run"
     code = main(["train", str(_config(tmp_path, **sections)), "--out", str(out)])
     err = capsys.readouterr().err
