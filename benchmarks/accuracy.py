@@ -110,6 +110,9 @@ METHODS: dict[str, dict[str, Any]] = {
     # preconditioner cost in accuracy?): never refreshed after step 0; 32 probes per refresh
     "dp-kfc-norefresh": {"method": "dp-kfc", "probes": {"refresh_every": 0}},
     "dp-kfc-probes32": {"method": "dp-kfc", "probes": {"num_probes": 32}},
+    # damping of A (relative to its mean eigenvalue; default 1e-3): weaker whitening
+    "dp-kfc-da1e-2": {"method": "dp-kfc", "preconditioner": {"damping_a": 1e-2}},
+    "dp-kfc-da1e-1": {"method": "dp-kfc", "preconditioner": {"damping_a": 1e-1}},
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},

@@ -54,19 +54,27 @@ a Linear layer, a small late convolution) is transformed in one chunk: splitting
 no memory worth having and makes its matmuls 2x slower (the small CNN's 512-wide Linear)."""
 
 
+CHUNK_ELEMENTS = 1 << 24
+"""Rows (elements) one chunk of a large layer may hold, 64 MiB in float32: a sample whose rows
+alone exceed it (a 3D convolution at 32^3 positions and 433 inputs: 14 M) is unfolded and
+transformed on its own."""
+
+
 def _sample_chunk(batch: int, row_elements: int | None = None) -> int:
     """Samples per unfold in a covered layer's sampler (``row_elements``: rows per sample).
 
     The factored path holds the unfolded input, its transform and the transformed errors at
-    once; in quarters of the batch that stays below the single full-batch unfold Opacus' own
-    conv sampler makes, at the price of a few more (still large) matrix products. Chunks
-    stay at least 16 samples: on the UNet 3D at 64^3 and batch 8, chunks of 2 cut the step's
-    peak memory from 1.7x to 1.0x Opacus' but cost 1.29x instead of 1.10x its step time,
-    while the refresh, not the step, sets dp-kfc's peak there.
+    once; in quarters of the batch (at least 16 samples) that stays below the single
+    full-batch unfold Opacus' own conv sampler makes, at the price of a few more (still large)
+    matrix products. A chunk also holds at most :data:`CHUNK_ELEMENTS` rows (but at least one
+    sample), so a 3D layer's transient does not grow with the batch.
     """
-    if row_elements is not None and batch * row_elements <= SINGLE_CHUNK_ELEMENTS:
+    if row_elements is None:
+        return max(RAW_NORM_SAMPLES, -(-batch // 4))
+    if batch * row_elements <= SINGLE_CHUNK_ELEMENTS:
         return max(batch, 1)
-    return max(RAW_NORM_SAMPLES, -(-batch // 4))
+    quarters = max(RAW_NORM_SAMPLES, -(-batch // 4))
+    return max(1, min(quarters, CHUNK_ELEMENTS // max(row_elements, 1)))
 
 
 def _preconditioned_sampler(

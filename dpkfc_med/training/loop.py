@@ -335,6 +335,16 @@ def train(
             ledger_path=None if resume else ledger_path,
             **kw,
         )
+        plan_r = engine.refresh_plan
+        if plan_r.get("rule") == "auto":
+            log.info(
+                "preconditioner refresh every %d steps (refresh_every: auto; refreshes "
+                "estimated at %.1f%% of training time, budget %g%%; set probes.refresh_every "
+                "to an integer to choose the period yourself)",
+                plan_r["refresh_every"],
+                100 * plan_r["estimated_share"],
+                100 * plan_r["budget"],
+            )
         if isinstance(optimizer, DPAdamBC):
             phi = noise_variance_of(
                 popt.noise_multiplier, popt.max_grad_norm, popt.expected_batch_size

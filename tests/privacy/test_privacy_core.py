@@ -385,18 +385,21 @@ def test_singular_factor_inverse_root():
     ],
     ids=["ag", "kron", "diagonal"],
 )
-@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("chunks", ["single", "quarters", "per-sample"])
 def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
-    cfg, chunked, float64, monkeypatch
+    cfg, chunks, float64, monkeypatch
 ):
     """Covered layers' grad_sample = s U_G g_i U_A of brute-force per-sample gradients.
 
-    40 samples run through the sampler in one chunk, or (``chunked``) in chunks of
-    16, 16, 8; the raw norms kept for diagnostics (first 40 // 16 samples) are the
-    untransformed per-sample norms.
+    40 samples run through the sampler in one chunk, in chunks of 16, 16, 8 or one sample
+    at a time (a chunk's row budget below one sample's rows); the raw norms kept for
+    diagnostics (first 40 // 16 samples, in one or two chunks) are the untransformed
+    per-sample norms.
     """
-    if chunked:
+    if chunks != "single":
         monkeypatch.setattr("dpkfc_med.privacy.grad_sample.SINGLE_CHUNK_ELEMENTS", 0)
+    if chunks == "per-sample":
+        monkeypatch.setattr("dpkfc_med.privacy.grad_sample.CHUNK_ELEMENTS", 1)
     torch.manual_seed(9)
     model = tiny_cnn_2d()
     plain = copy.deepcopy(model)  # brute force runs without Opacus hooks
