@@ -176,11 +176,52 @@ def capture_layers(
         pairs = raw.pop(name)
         while pairs:
             x, dy = pairs.pop(0)
-            a = adapter.activations(module, x, max_positions=max_positions, generator=generator)
-            d = adapter.errors(module, dy) if dy is not None else a.new_zeros(0)
+            yield from _pieces(name, module, adapter, x, dy, max_positions, generator)
             del x, dy
-            yield CapturedLayer(name, module, adapter, a, d)
-            del a, d
+
+
+PATCH_ELEMENTS = 1 << 24
+"""Patch elements one captured piece may hold (64 MiB in float32): a call whose probes'
+patches exceed it is yielded a few probes at a time (at least one), so the refresh's patch
+memory does not grow with ``chunk_size`` (a transposed 3D convolution at 32^3 positions and
+1729 inputs has 57 M patch elements per probe at the default ``max_positions``)."""
+
+
+def _pieces(
+    name: str,
+    module: nn.Module,
+    adapter: LayerAdapter,
+    x: Tensor,
+    dy: Tensor | None,
+    max_positions: int | None,
+    generator: torch.Generator | None,
+) -> Iterator[CapturedLayer]:
+    """One call's ``a``/``delta`` in pieces of probes whose patches fit :data:`PATCH_ELEMENTS`.
+
+    Every piece draws the same positions as a single whole-call draw would (each starts from
+    the generator's state before the call; the generator ends as after one draw), so the sum
+    of the pieces' outer products equals the whole call's up to float summation order.
+    """
+    state = generator.get_state() if generator is not None else None
+    start, b = 0, x.shape[0]
+    step = 1  # the first piece measures one probe's patches
+    while start < b:
+        gen = generator
+        if start > 0 and generator is not None:
+            gen = torch.Generator(device=generator.device)
+            gen.set_state(state)  # type: ignore[arg-type]
+        sl = slice(start, start + step)
+        a = adapter.activations(module, x[sl], max_positions=max_positions, generator=gen)
+        d = adapter.errors(module, dy[sl]) if dy is not None else a.new_zeros(0)
+        if start == 0:
+            per_probe = max(a[:1].numel(), 1)
+            step = b - 1 if (b - 1) * per_probe <= PATCH_ELEMENTS else PATCH_ELEMENTS // per_probe
+            step = max(step, 1)
+            start = 1
+        else:
+            start += step
+        yield CapturedLayer(name, module, adapter, a, d)
+        del a, d
 
 
 def _accumulate(

@@ -198,8 +198,9 @@ class PrivacyEngine:
                 period at which the refreshes' estimated share of training time stays within
                 ``refresh_budget`` (multiply-add estimates from the layer shapes,
                 :mod:`dpkfc_med.curvature.cost`: deterministic, so the same model, input size,
-                batch and settings always get the same schedule; 20 for the small CNN on
-                28x28 images, longer for large networks and volumes).
+                batch and settings always get the same schedule, which depends on public
+                settings only -- the network, the probes' shape, the loader's batch size;
+                20 for the small CNN on 28x28 images, longer for large networks and volumes).
             refresh_budget: the share of training time ``"auto"`` allows refreshes.
             probe_seed: seed of the first probe batch; refresh ``k`` uses ``probe_seed + k``.
             max_steps: refuse steps beyond this (the privacy plan).
@@ -270,7 +271,10 @@ class PrivacyEngine:
             self.probe_seed = probe_seed
             probe = self._check_probe_shape(data_loader)
             if refresh_every == "auto":
-                self.refresh_plan = self._auto_refresh(probe, expected, refresh_budget)
+                # the configured batch size, not one derived from the private dataset's size:
+                # the schedule then depends on public settings only
+                planned = data_loader.batch_size or expected
+                self.refresh_plan = self._auto_refresh(probe, planned, refresh_budget)
                 self.refresh_every = int(self.refresh_plan["refresh_every"])
             else:
                 self.refresh_plan = {"refresh_every": int(refresh_every), "rule": "fixed"}

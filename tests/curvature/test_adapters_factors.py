@@ -306,5 +306,45 @@ def test_capture_holds_one_layers_patches_at_a_time():
         names.append(cap.name)
         prev = [weakref.ref(cap.a), weakref.ref(cap.delta)]
         del cap
-    assert names == list(layers) and len(names) == 3
+    # one call of 4 probes comes in two pieces (the first probe measures the patch size)
+    assert names == [n for n in layers for _ in range(2)] and len(layers) == 3
     assert not any(alive)
+
+
+@pytest.mark.parametrize("case", ["conv3d", "convt2d_grouped", "conv2d_strided"])
+def test_factors_from_bounded_pieces_equal_the_whole_call(case, float64, monkeypatch):
+    """Patches capped at one probe per piece: same A and G, same drawn positions, same
+    generator state afterwards, and no piece above the cap (unless one probe is)."""
+    from dpkfc_med.curvature import factors as fmod
+
+    module, adapter, x, r = _layer_case(case, seed=5)
+    t = adapter.activations(module, x[:1]).shape[1]
+
+    def run(cap: int):
+        monkeypatch.setattr(fmod, "PATCH_ELEMENTS", cap)
+        gen = torch.Generator().manual_seed(3)
+        sizes = [
+            c.a.numel()
+            for c in fmod.capture_layers(
+                module, x, r, _loss, {"l": module}, max_positions=max(1, t // 2), generator=gen
+            )
+        ]
+        out = estimate_factors(
+            module,
+            x,
+            r,
+            _loss,
+            layers={"l": module},
+            chunk_size=len(x),
+            max_positions=max(1, t // 2),
+            position_seed=3,
+        )["l"]
+        return out, sizes, torch.rand(1, generator=gen)
+
+    whole, whole_sizes, after = run(1 << 30)
+    split, sizes, after_split = run(1)  # one probe per piece
+    assert len(whole_sizes) == 2 and len(sizes) == len(x)
+    assert len(set(sizes)) == 1  # every piece is one probe's patches
+    torch.testing.assert_close(split.a, whole.a)
+    torch.testing.assert_close(split.g, whole.g)
+    assert torch.equal(after, after_split)
