@@ -135,8 +135,7 @@ def layer_footprint(model: nn.Module, sample: Tensor) -> list[LayerFootprint]:
 
 
 def _settings(config: Any) -> dict[str, Any]:
-    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return d
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
 def _full(n: int, factors: str, max_dim: int) -> bool:
@@ -255,7 +254,7 @@ def auto_refresh_every(
     ``k >= 0`` is the smallest with ``refresh / (period * step + refresh) <= budget`` in the
     multiply-add estimates (the step's weighted by :data:`STEP_MACS_WEIGHT`).
 
-    Returns ``{"refresh_every", "estimated_share", "refresh_macs", "step_macs", ...}``.
+    Returns ``{"refresh_every", "estimated_share", "refresh_macs", "step_macs_weighted", ...}``.
     """
     if not (0 < budget < 1):
         raise ValueError(f"refresh_budget={budget!r}: must be between 0 and 1 (e.g. 0.05)")
