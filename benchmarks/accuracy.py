@@ -113,6 +113,13 @@ METHODS: dict[str, dict[str, Any]] = {
     # damping of A (relative to its mean eigenvalue; default 1e-3): weaker whitening
     "dp-kfc-da1e-2": {"method": "dp-kfc", "preconditioner": {"damping_a": 1e-2}},
     "dp-kfc-da1e-1": {"method": "dp-kfc", "preconditioner": {"damping_a": 1e-1}},
+    # natural step: the privatized average multiplied once more by P (KFAC natural gradient
+    # signal P^2 g, noise shaped by P); with the default and a heavier A damping
+    "dp-kfc-natural": {"method": "dp-kfc", "preconditioner": {"step": "natural"}},
+    "dp-kfc-natural-da1e-1": {
+        "method": "dp-kfc",
+        "preconditioner": {"step": "natural", "damping_a": 1e-1},
+    },
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},

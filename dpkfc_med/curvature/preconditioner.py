@@ -132,6 +132,16 @@ class PreconditionerConfig:
             unfold, ``U_K`` on the per-sample gradient) instead of up to ``T (C K)^2``;
             still probe-only, so the privacy argument is unchanged. Opt-in: its
             accuracy is in ``benchmarks/results``.
+        step: ``"transformed"`` (default) or ``"natural"``. ``transformed`` takes the base
+            optimizer's step on the privatized sum of ``s U_G g_i U_A`` as it is (signal
+            direction ``P g`` with ``P = s U_A (x) U_G``, isotropic noise). ``natural``
+            multiplies the privatized, averaged gradient once more by ``P`` before the base
+            optimizer: the DP-SGD step in the reparametrisation ``theta = P phi``, whose
+            signal is ``P^2 g`` (the damped KFAC natural gradient) and whose noise has
+            covariance ``sigma^2 C^2 P^2 / B^2``. The second product acts on a released
+            quantity with a probe-only ``P`` (post-processing: the accounting is unchanged);
+            it costs one transform of the parameter-sized average per step. Not combined
+            with DP-AdamBC, whose correction assumes isotropic noise.
     """
 
     factors: FactorMode | str = FactorMode.A
@@ -148,6 +158,7 @@ class PreconditionerConfig:
     eig_dtype: str = "float32"
     max_positions: int | None = 32768
     conv_a: str = "full"
+    step: str = "transformed"
 
     def __post_init__(self) -> None:
         self.factors = check_choice("preconditioner.factors", self.factors, FactorMode)
@@ -170,6 +181,8 @@ class PreconditionerConfig:
             )
         if self.conv_a not in ("full", "kron"):
             problems.append(f"preconditioner.conv_a={self.conv_a!r}: use 'full' or 'kron'")
+        if self.step not in ("transformed", "natural"):
+            problems.append(f"preconditioner.step={self.step!r}: use 'transformed' or 'natural'")
         if self.eig_dtype not in ("float64", "float32"):
             problems.append(
                 f"preconditioner.eig_dtype={self.eig_dtype!r}: use 'float64' or 'float32'"
@@ -858,6 +871,34 @@ class KroneckerPreconditioner:
         for fb in self.fallbacks.values():
             out[fb.param] = fb.transform(grads[fb.param])
         return out
+
+    @torch.no_grad()
+    def precondition_update(self, params: list[nn.Parameter]) -> None:
+        """Multiply the released gradients ``p.grad`` of ``params`` by ``P`` in place.
+
+        The second product of ``step="natural"``: ``grad -> s U_G grad U_A`` per covered
+        layer and the fallback transform elsewhere. Parameters without a gradient (frozen,
+        or outside ``params``) count as zero in their layer's product.
+
+        Privacy guarantee:
+            Applied to already privatized gradients with a preconditioner built from probes
+            and released parameters only: post-processing, no privacy cost.
+        """
+        grads = {p: p.grad.unsqueeze(0) for p in params if p.grad is not None}
+        if not grads:
+            return
+        for block in self.blocks.values():
+            own = list(block.module.parameters(recurse=False))
+            if not any(p in grads for p in own):
+                continue
+            full = {p: grads.get(p, torch.zeros_like(p).unsqueeze(0)) for p in own}
+            mats = block.adapter.from_params(block.module, full)
+            for p, g in block.adapter.to_params(block.module, block.transform_grads(mats)).items():
+                if p in grads:
+                    p.grad.copy_(g[0].view_as(p.grad))  # type: ignore[union-attr]
+        for fb in self.fallbacks.values():
+            if fb.param in grads:
+                fb.param.grad.copy_(fb.transform(grads[fb.param])[0])  # type: ignore[union-attr]
 
     def param_layer_names(self) -> dict[int, str]:
         """``id(param) -> layer name`` used for per-layer diagnostics."""

@@ -13,7 +13,8 @@ override only ``clip_and_accumulate`` (and ``add_noise`` when the OS CSPRNG repl
 
 Noise ``N(0, sigma^2 C^2 I)`` is then added to the sum and divided by the expected batch size
 (expected number of units) by the inherited stages; the base optimizer steps in the
-transformed coordinates.
+transformed coordinates (``preconditioner.step="transformed"``), or on the average multiplied
+once more by the preconditioner (``"natural"``, post-processing of the released average).
 
 Privacy guarantee:
     For any fixed preconditioner (built from probes and released parameters only), the
@@ -234,6 +235,17 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             noise = secure_normal(self.noise_multiplier * self.max_grad_norm, p.summed_grad)
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
+
+    def scale_grad(self) -> None:
+        """Divide by the expected batch size; with ``step="natural"`` multiply by ``P`` once more.
+
+        The second product only post-processes the privatized average (see
+        :attr:`PreconditionerConfig.step`).
+        """
+        super().scale_grad()
+        pre = self.preconditioner
+        if pre is not None and pre.config.step == "natural":
+            pre.precondition_update(self.params)
 
     def pre_step(self, closure: Callable[[], float] | None = None) -> bool | None:
         """Refuse a step the privacy plan does not cover, then run Opacus' pipeline."""

@@ -341,6 +341,16 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(
             "probes.public_data: required for method dp-kfc-public (path to a public .npz)"
         )
+    if (
+        cfg.training.optimizer == "adambc"
+        and cfg.preconditioner.get("step") == "natural"
+        and cfg.method.startswith("dp-kfc")
+    ):
+        problems.append(
+            "preconditioner.step='natural' with training.optimizer='adambc': DP-AdamBC "
+            "subtracts an isotropic noise variance, but the natural step shapes the noise by "
+            "the preconditioner; use step 'transformed' with adambc, or optimizer sgd/adam"
+        )
     try:
         cfg.preconditioner_config()
     except (TypeError, ValueError) as err:

@@ -451,3 +451,58 @@ def test_empty_poisson_batch_is_a_pure_noise_step(float64):
     for name in ("dp-kfc", "kron"):  # same seed, no data: the same noise
         for u, v in zip(updates[name], updates["dp-sgd"]):
             torch.testing.assert_close(u, v)
+
+
+@pytest.mark.parametrize("factors", ["a", "ag"])
+def test_natural_step_is_the_preconditioner_times_the_released_average(factors, float64):
+    """step="natural": the update is s U_G avg U_A of the transformed step's released average."""
+    torch.manual_seed(7)
+    base = tiny_cnn_2d()
+    x, y = _data()
+    updates, pres = {}, {}
+    for step in ("transformed", "natural"):
+        model = copy.deepcopy(base)
+        cfg = PreconditionerConfig(factors=factors, step=step, fallback="diagonal")
+        eng, (pm, popt, _) = _engine("dp-kfc", model, x, y, seed=11, preconditioner=cfg)
+        _one_step(pm, popt, x[:20], y[:20])
+        updates[step] = [(q - p) / 0.1 for p, q in zip(model.parameters(), base.parameters())]
+        pres[step] = eng.preconditioner
+    pre = pres["natural"]
+    for name in pre.blocks:  # same probes and parameters: the same preconditioner
+        assert torch.equal(pre.blocks[name].u_a, pres["transformed"].blocks[name].u_a)
+    avg = dict(zip(base.parameters(), updates["transformed"]))
+    got = dict(zip(base.parameters(), updates["natural"]))
+    names = dict(base.named_modules())
+    for name, block in pre.blocks.items():
+        mod = names[name]
+        w = avg[mod.weight].reshape(mod.weight.shape[0], -1)
+        x_mat = torch.cat([w, avg[mod.bias][:, None]], 1) if mod.bias is not None else w
+        u_g = block.u_g[0] if block.u_g is not None else torch.eye(x_mat.shape[0])
+        want = block.scale * u_g @ x_mat @ block.u_a[0]
+        torch.testing.assert_close(
+            got[mod.weight].reshape(w.shape), want[:, : w.shape[1]], rtol=1e-9, atol=1e-12
+        )
+        if mod.bias is not None:
+            torch.testing.assert_close(got[mod.bias], want[:, -1], rtol=1e-9, atol=1e-12)
+    params = dict(base.named_parameters())
+    for name, fb in pre.fallbacks.items():  # GroupNorm affine: diagonal fallback, same scale
+        p = params[name]
+        torch.testing.assert_close(got[p], fb.scale * fb.diag * avg[p], rtol=1e-9, atol=1e-12)
+    assert len(pre.fallbacks) == 2 and not torch.allclose(
+        updates["natural"][0], avg[base[0].weight]
+    )
+
+
+def test_natural_step_refused_with_adambc():
+    from dpkfc_med.training.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=r"preconditioner.step='natural'.*adambc"):
+        config_from_dict(
+            {
+                "data": {"path": "pneumoniamnist"},
+                "training": {"optimizer": "adambc"},
+                "preconditioner": {"step": "natural"},
+            }
+        )
+    with pytest.raises(ValueError, match="preconditioner.step='nat'"):
+        PreconditionerConfig(step="nat")
