@@ -894,11 +894,11 @@ class KroneckerPreconditioner:
             full = {p: grads.get(p, torch.zeros_like(p).unsqueeze(0)) for p in own}
             mats = block.adapter.from_params(block.module, full)
             for p, g in block.adapter.to_params(block.module, block.transform_grads(mats)).items():
-                if p in grads:
-                    p.grad.copy_(g[0].view_as(p.grad))  # type: ignore[union-attr]
+                if p in grads:  # grads[p] is a view of p.grad
+                    grads[p].copy_(g.view_as(grads[p]))
         for fb in self.fallbacks.values():
             if fb.param in grads:
-                fb.param.grad.copy_(fb.transform(grads[fb.param])[0])  # type: ignore[union-attr]
+                grads[fb.param].copy_(fb.transform(grads[fb.param]))
 
     def param_layer_names(self) -> dict[int, str]:
         """``id(param) -> layer name`` used for per-layer diagnostics."""
