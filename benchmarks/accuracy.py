@@ -120,6 +120,8 @@ METHODS: dict[str, dict[str, Any]] = {
         "method": "dp-kfc",
         "preconditioner": {"step": "natural", "damping_a": 1e-1},
     },
+    # low-rank-plus-tail U_A (top 64 eigenpairs exact, the rest at their mean) where n_a > 128
+    "dp-kfc-rank64": {"method": "dp-kfc", "preconditioner": {"rank_a": 64}},
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},

@@ -1378,6 +1378,9 @@ def plan_model(
     if args.kfc_conv_a is not None:
         kfc["conv_a"] = args.kfc_conv_a
         notes.append(f"--kfc-conv-a {args.kfc_conv_a} given")
+    if args.kfc_rank_a is not None:
+        kfc["rank_a"] = args.kfc_rank_a
+        notes.append(f"--kfc-rank-a {args.kfc_rank_a} given")
     requested = batch_override or setting.batch
     plan = Plan(setting.shape, requested, requested, kfc, notes)
     plan.rounds = args.rounds if args.rounds is not None else (3 if quick else 5)
@@ -1617,6 +1620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kfc-conv-a", default=None, choices=["full", "kron"], help="dp-kfc conv_a override"
     )
+    p.add_argument("--kfc-rank-a", type=int, default=None, help="dp-kfc rank_a override")
     p.add_argument("--refresh-reps", type=int, default=None, help="timed refreshes (GPU 3, else 1)")
     p.add_argument(
         "--memory-steps", type=int, default=None, help="steps per memory process (2; quick 1)"

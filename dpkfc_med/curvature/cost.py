@@ -173,6 +173,9 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
         full_a = _full(n_a, factors, max_dim)
         full_g = factors == "ag" and n_g <= max_dim
         a_row = full_a * n_a * n_a  # one row times U_A
+        rank = cfg.get("rank_a")
+        if full_a and rank is not None and n_a > 2 * rank and not _kron(r, cfg, full_a):
+            a_row = 2 * n_a * int(rank)  # c I + V diag(d) V^T
         materialized = g * (full_g * n_g * n_g * n_a + n_g * a_row)
         if factors == "identity":
             extra = 0

@@ -63,6 +63,7 @@ __all__ = [
     "FallbackRule",
     "KroneckerBlock",
     "KroneckerPreconditioner",
+    "LowRankA",
     "PreconditionerConfig",
     "ScaleRule",
     "inverse_sqrt",
@@ -132,6 +133,13 @@ class PreconditionerConfig:
             unfold, ``U_K`` on the per-sample gradient) instead of up to ``T (C K)^2``;
             still probe-only, so the privacy argument is unchanged. Opt-in: its
             accuracy is in ``benchmarks/results``.
+        rank_a: ``null`` (default: every full ``U_A`` dense) or ``r``: a full ``A`` with
+            ``n_a > 2 r`` (where it saves work) keeps its top ``r`` eigenpairs exactly and
+            replaces the other eigenvalues by their mean (same trace), so
+            ``U_A = c I + V diag(d) V^T`` is stored as ``n_a x r`` instead of ``n_a x n_a``
+            and a row costs ``2 n_a r`` multiply-adds instead of ``n_a^2``. An approximation
+            of the preconditioner (the tail is whitened as a whole), still probe-only.
+            Applies to layers ``conv_a="kron"`` does not take.
         step: ``"transformed"`` (default) or ``"natural"``. ``transformed`` takes the base
             optimizer's step on the privatized sum of ``s U_G g_i U_A`` as it is (signal
             direction ``P g`` with ``P = s U_A (x) U_G``, isotropic noise). ``natural``
@@ -158,6 +166,7 @@ class PreconditionerConfig:
     eig_dtype: str = "float32"
     max_positions: int | None = 32768
     conv_a: str = "full"
+    rank_a: int | None = None
     step: str = "transformed"
 
     def __post_init__(self) -> None:
@@ -178,6 +187,11 @@ class PreconditionerConfig:
         if v is not None and not (isinstance(v, int) and v >= 1):
             problems.append(
                 f"preconditioner.max_positions={v!r}: must be a positive integer or null (all)"
+            )
+        v = self.rank_a
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            problems.append(
+                f"preconditioner.rank_a={v!r}: must be a positive integer or null (dense U_A)"
             )
         if self.conv_a not in ("full", "kron"):
             problems.append(f"preconditioner.conv_a={self.conv_a!r}: use 'full' or 'kron'")
@@ -370,6 +384,80 @@ def _kron_a(
 
 
 @dataclass
+class LowRankA:
+    r"""``U_A = c I + V diag(d) V^T`` per group: ``A``'s top ``r`` eigenpairs, the tail at its mean.
+
+    With damped eigenvalues ``lambda_i`` (ascending) and eigenvectors ``v_i`` of ``A``, the
+    top ``r`` directions keep ``lambda_i^{-1/2}`` and the ``n - r`` others share
+    ``c = (mean_{tail} lambda)^{-1/2}``:
+
+    .. math::
+
+        U_A = c I + \sum_{i \in top} (\lambda_i^{-1/2} - c) v_i v_i^\top .
+
+    Attributes:
+        v: ``[G, n_a, r]`` top eigenvectors.
+        d: ``[G, r]`` ``lambda_i^{-1/2} - c``.
+        c: ``[G]`` the tail's inverse square root.
+    """
+
+    v: Tensor
+    d: Tensor
+    c: Tensor
+
+    def __post_init__(self) -> None:
+        n = self.v.shape[1]
+        # Row n-1 of U_A (the bias coordinate, when the layer has one): formed once.
+        last = ((self.v[:, n - 1] * self.d)[:, None] @ self.v.transpose(-1, -2))[:, 0]
+        last[:, n - 1] += self.c
+        self.last_row = last
+
+    @classmethod
+    def from_factor(cls, factor: Tensor, damping: float, rank: int) -> tuple[LowRankA, Tensor]:
+        """From ``A [G, n, n]`` (``n > rank``); also returns the eigenvalues ``[G, n]``."""
+        evals, evecs = torch.linalg.eigh(factor)
+        lam = evals.clamp_min(0)
+        lam = lam + damping * lam.mean(-1, keepdim=True)
+        # an all-zero factor (a layer the probes do not reach) maps to the identity
+        lam = torch.where(lam > 0, lam, torch.ones_like(lam))
+        n = lam.shape[-1]
+        c = lam[:, : n - rank].mean(-1).rsqrt()
+        d = lam[:, n - rank :].rsqrt() - c[:, None]
+        return cls(evecs[:, :, n - rank :].contiguous(), d, c), evals
+
+    def to(self, dtype: torch.dtype) -> LowRankA:
+        """The same operator in ``dtype``."""
+        return LowRankA(self.v.to(dtype), self.d.to(dtype), self.c.to(dtype))
+
+    @property
+    def rank(self) -> int:
+        """``r``."""
+        return int(self.v.shape[-1])
+
+    @property
+    def row_macs(self) -> int:
+        """Multiply-adds to transform one row."""
+        return 2 * self.v.shape[1] * self.rank
+
+    def dense(self) -> Tensor:
+        """``[G, n_a, n_a]`` explicit matrix (tests, small layers)."""
+        eye = torch.eye(self.v.shape[1], dtype=self.v.dtype, device=self.v.device)
+        return self.c[:, None, None] * eye + (self.v * self.d[:, None]) @ self.v.transpose(-1, -2)
+
+    def right_w(self, x: Tensor) -> Tensor:
+        """``[x, 0] U_A`` for rows ``x [B, G, m, n_w]``, ``n_w`` = ``n_a`` or ``n_a - 1``.
+
+        With ``n_w = n_a - 1`` the bias coordinate's row (``last_row``) is left out, as
+        ``x U_A[:n_w]`` of a dense ``U_A``.
+        """
+        n_w, v = x.shape[-1], self.v
+        y = torch.matmul(x, v[:, :n_w] if n_w < v.shape[1] else v)  # [B, G, m, r]
+        out = torch.matmul(y * self.d[:, None], v.transpose(-1, -2))  # [B, G, m, n_a]
+        out[..., :n_w].add_(x * self.c[:, None, None])
+        return out
+
+
+@dataclass
 class KroneckerBlock:
     """Transform ``g -> s U_G g U_A`` of one covered layer (``None`` factors are identities).
 
@@ -381,6 +469,7 @@ class KroneckerBlock:
         u_g: ``[G, n_g, n_g]``, diagonal ``[G, n_g]`` or ``None``.
         scale: the scalar ``s``.
         a_kron: structured ``U_A = U_C (x) U_K`` (``conv_a="kron"``); replaces ``u_a``.
+        a_low: low-rank-plus-tail ``U_A`` (``rank_a``); replaces ``u_a``.
     """
 
     name: str
@@ -390,6 +479,7 @@ class KroneckerBlock:
     u_g: Tensor | None = None
     scale: float = 1.0
     a_kron: KronA | None = None
+    a_low: LowRankA | None = None
 
     @property
     def dims(self) -> tuple[int, int, int]:
@@ -401,7 +491,9 @@ class KroneckerBlock:
         full_a = self.u_a is not None and self.u_a.dim() == 3
         full_g = self.u_g is not None and self.u_g.dim() == 3
         # multiply-adds of one row times U_A
-        a_row = full_a * n_a * n_a if self.a_kron is None else self.a_kron.row_macs
+        a_row = full_a * n_a * n_a
+        if self.a_kron is not None or self.a_low is not None:
+            a_row = (self.a_kron or self.a_low).row_macs  # type: ignore[union-attr]
         base = b * t * g * n_a * n_g
         factored = base + b * t * g * (a_row + full_g * n_g * n_g)
         materialized = base + b * g * (full_g * n_g * n_g * n_a + n_g * a_row)
@@ -447,6 +539,8 @@ class KroneckerBlock:
         out = grads
         if self.a_kron is not None:
             out = self.a_kron.right(out)
+        elif self.a_low is not None:
+            out = self.a_low.right_w(out)
         elif self.u_a is not None:
             if self.u_a.dim() == 2:
                 out = out * self.u_a.unsqueeze(1)
@@ -476,6 +570,8 @@ class KroneckerBlock:
         u = self.u_a
         if u is not None and u.dim() == 3:
             return _grads_times(x, u[:, :n_w] if has_bias else u), None
+        if self.a_low is not None:
+            return self.a_low.right_w(x), None
         c: Tensor | float
         if self.a_kron is not None:
             kron = self.a_kron
@@ -485,6 +581,13 @@ class KroneckerBlock:
         else:
             out, c = x, 1.0
         return out, (c if has_bias else None)
+
+    def _a_bias_row(self) -> Tensor:
+        """Row ``n_a - 1`` of a full or low-rank ``U_A`` (the bias coordinate): ``[G, n_a]``."""
+        if self.a_low is not None:
+            return self.a_low.last_row
+        assert self.u_a is not None and self.u_a.dim() == 3
+        return self.u_a[:, -1]
 
     def _times_g_into(self, x: Tensor, out: Tensor) -> Tensor:
         """``out = s U_G x`` for ``x [B, G, n_g, m]`` (``U_G`` symmetric), in one pass."""
@@ -554,7 +657,7 @@ class KroneckerBlock:
             d = d * self.scale if self.scale != 1.0 else d
             a_t, c = self._times_a(a, has_bias)
             if has_bias and c is None:
-                a_t = a_t.add_(self.u_a[:, None, n_w])  # type: ignore[index]
+                a_t = a_t.add_(self._a_bias_row()[:, None])
             d_cols = d.transpose(-1, -2)
             # one position (Linear): the outer product as a broadcast, not a K=1 matmul
             prod = torch.mul if t == 1 else torch.matmul
@@ -576,7 +679,7 @@ class KroneckerBlock:
         w, bias = full[..., :n_w], None
         if raw_b is not None:
             if c is None:  # the bias coordinate's row of U_A, times the raw bias gradient
-                u_b = self.u_a[:, None, n_w]  # type: ignore[index]
+                u_b = self._a_bias_row()[:, None]
                 w = w.addcmul_(raw_b.unsqueeze(-1), u_b[..., :n_w])
                 bias = full[..., n_w].addcmul_(raw_b, u_b[..., n_w])
             else:
@@ -721,13 +824,18 @@ class KroneckerPreconditioner:
             assert adapter is not None
             u_a = u_g = None
             a_kron: KronA | None = None
+            a_low: LowRankA | None = None
             if name in factors:
                 f = factors[name]
                 ref: Tensor = module.weight  # type: ignore[assignment]
                 # a float64 model gets float64 decompositions whatever eig_dtype says
                 dt = torch.promote_types(eig_dtype, ref.dtype)
+                rank = cfg.rank_a
                 if _kron_eligible(module, f.a) and cfg.conv_a == "kron":
                     a_kron, ev_a = _kron_a(module, f.a, cfg.damping_a, dt, ref.dtype)
+                elif rank is not None and f.a.dim() == 3 and f.a.shape[-1] > 2 * rank:
+                    a_low, ev_a = LowRankA.from_factor(f.a.to(dt), cfg.damping_a, rank)
+                    a_low = a_low.to(ref.dtype)
                 else:
                     u_a, ev_a = inverse_sqrt_with_spectrum(f.a.to(dt), cfg.damping_a)
                     u_a = u_a.to(ref.dtype)
@@ -736,7 +844,9 @@ class KroneckerPreconditioner:
                     u_g, ev_g = inverse_sqrt_with_spectrum(f.g.to(dt), cfg.damping_g)
                     u_g = u_g.to(ref.dtype)
                     spectra[name]["G"] = _spectrum_stats(ev_g)
-            blocks[name] = KroneckerBlock(name, module, adapter, u_a, u_g, a_kron=a_kron)
+            blocks[name] = KroneckerBlock(
+                name, module, adapter, u_a, u_g, a_kron=a_kron, a_low=a_low
+            )
         t_inv = time.perf_counter() - t0 - t_factors
         fallbacks = {n: FallbackBlock(n, p, mn) for n, mn, p in _fallback_params(model, covered)}
         pre = cls(blocks, fallbacks, cfg, factors=factors if keep_factors else None)
@@ -925,6 +1035,8 @@ class KroneckerPreconditioner:
                     "G_dim": n_g,
                     "A": "kron"
                     if b.a_kron is not None
+                    else f"rank {b.a_low.rank} + tail"
+                    if b.a_low is not None
                     else "none"
                     if b.u_a is None
                     else ("diagonal" if b.u_a.dim() == 2 else "full"),

@@ -12,6 +12,7 @@ from dpkfc_med.curvature.adapters import adapter_for
 from dpkfc_med.curvature.preconditioner import (
     KroneckerBlock,
     KroneckerPreconditioner,
+    LowRankA,
     PreconditionerConfig,
     inverse_sqrt,
 )
@@ -58,6 +59,8 @@ def _explicit(block, raw):
     g, n_a, n_g = block.dims
     eye = lambda n: torch.eye(n)[None].expand(g, n, n)  # noqa: E731
     u_a, u_g = block.u_a, block.u_g
+    if block.a_low is not None:
+        u_a = block.a_low.dense()
     u_a = eye(n_a) if u_a is None else (torch.diag_embed(u_a) if u_a.dim() == 2 else u_a)
     u_g = eye(n_g) if u_g is None else (torch.diag_embed(u_g) if u_g.dim() == 2 else u_g)
     out = []
@@ -70,7 +73,9 @@ def _explicit(block, raw):
 
 @pytest.mark.parametrize("idx", range(len(LAYERS)))
 @pytest.mark.parametrize("path", ["factored", "materialized"])
-@pytest.mark.parametrize("kinds", [("full", "full"), ("diag", "none"), ("none", "diag")])
+@pytest.mark.parametrize(
+    "kinds", [("full", "full"), ("diag", "none"), ("none", "diag"), ("lowrank", "full")]
+)
 def test_sample_grads_equal_explicit_kronecker(idx, path, kinds, float64):
     """Rows without a bias column and U_A split at the bias coordinate give s U_G g U_A."""
     torch.manual_seed(idx)
@@ -84,9 +89,12 @@ def test_sample_grads_equal_explicit_kronecker(idx, path, kinds, float64):
             return inverse_sqrt(_spd(g, n), damping)
         return torch.rand(g, n) + 0.5 if kind == "diag" else None
 
-    block = KroneckerBlock(
-        "l", module, adapter, factor(kinds[0], n_a, 0.01), factor(kinds[1], n_g, 0.1), 0.7
-    )
+    u_g = factor(kinds[1], n_g, 0.1)
+    if kinds[0] == "lowrank":
+        low, _ = LowRankA.from_factor(_spd(g, n_a), 0.01, rank=2)
+        block = KroneckerBlock("l", module, adapter, None, u_g, 0.7, a_low=low)
+    else:
+        block = KroneckerBlock("l", module, adapter, factor(kinds[0], n_a, 0.01), u_g, 0.7)
     x = torch.randn(*shape)
     dy = torch.randn_like(module(x))
     # reference: the adapter's position-major layout with the bias column appended
@@ -346,3 +354,46 @@ def test_raw_grads_of_an_empty_batch(float64):
     block = KroneckerBlock("l", module, adapter_for(module))
     out = block.raw_grads(torch.zeros(0, 2, 5, 5), torch.zeros(0, 3, 3, 3))
     assert out.shape == (0, 1, 3, 19)
+
+
+def test_low_rank_a_keeps_top_eigenpairs_and_whitens_the_tail_at_its_mean(float64):
+    """rank_a: exact on A's top r eigenpairs, the tail at its mean; exact when the tail is flat."""
+    torch.manual_seed(3)
+    g, n, r, damping = 2, 9, 3, 0.01
+    a = _spd(g, n)
+    low, evals = LowRankA.from_factor(a, damping, r)
+    lam, vec = torch.linalg.eigh(a)
+    lam = lam + damping * lam.mean(-1, keepdim=True)
+    u = low.dense()
+    for gi in range(g):
+        for i in range(n):  # every eigenvector of A is one of U_A's
+            want = lam[gi, i].rsqrt() if i >= n - r else lam[gi, : n - r].mean().rsqrt()
+            torch.testing.assert_close(u[gi] @ vec[gi, :, i], want * vec[gi, :, i])
+    torch.testing.assert_close(evals, torch.linalg.eigvalsh(a))
+    # a factor whose n - r smallest eigenvalues are equal: the same as the dense inverse root
+    flat = vec @ torch.diag_embed(torch.cat([torch.full((g, n - r), 0.2), lam[:, -r:]], -1))
+    flat = flat @ vec.transpose(-1, -2)
+    torch.testing.assert_close(
+        LowRankA.from_factor(flat, damping, r)[0].dense(), inverse_sqrt(flat, damping)
+    )
+    # rows with and without the bias coordinate, and the bias row
+    x = torch.randn(4, g, 5, n)
+    torch.testing.assert_close(low.right_w(x), x @ u)
+    torch.testing.assert_close(low.right_w(x[..., :-1]), x[..., :-1] @ u[:, :-1])
+    torch.testing.assert_close(low.last_row, u[:, -1])
+    assert low.row_macs == 2 * n * r
+
+
+def test_rank_a_applies_where_it_saves_work(float64):
+    """Full factors with n_a > 2 r become low-rank; others stay dense; the report says which."""
+    torch.manual_seed(4)
+    model = tiny_cnn_2d()  # n_a: conv 10, conv 36 (no bias), linear 97
+    x = torch.randn(32, 1, 8, 8)
+    y = torch.randint(0, 3, (32,))
+    cfg = PreconditionerConfig(rank_a=8, calibration_samples=8)
+    pre = KroneckerPreconditioner.from_probes(model, x, y, per_sample_ce, cfg)
+    kinds = {row["layer"]: row["A"] for row in pre.coverage() if row["type"] != "parameter"}
+    assert kinds == {"0": "full", "2": "rank 8 + tail", "6": "rank 8 + tail"}
+    assert pre.blocks["2"].u_a is None and pre.blocks["6"].a_low.v.shape == (1, 97, 8)
+    with pytest.raises(ValueError, match="rank_a=0"):
+        PreconditionerConfig(rank_a=0)

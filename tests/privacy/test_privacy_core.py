@@ -382,8 +382,9 @@ def test_singular_factor_inverse_root():
         PreconditionerConfig("ag"),
         PreconditionerConfig("a", conv_a="kron"),
         PreconditionerConfig("ag", max_factor_dim=8),  # diagonal factors
+        PreconditionerConfig("ag", rank_a=4),  # low-rank U_A (every layer: n_a > 8)
     ],
-    ids=["ag", "kron", "diagonal"],
+    ids=["ag", "kron", "diagonal", "lowrank"],
 )
 @pytest.mark.parametrize("chunks", ["single", "quarters", "per-sample"])
 def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
