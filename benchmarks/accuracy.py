@@ -120,6 +120,14 @@ METHODS: dict[str, dict[str, Any]] = {
         "method": "dp-kfc",
         "preconditioner": {"step": "natural", "damping_a": 1e-1},
     },
+    "dp-kfc-natural-da1": {
+        "method": "dp-kfc",
+        "preconditioner": {"step": "natural", "damping_a": 1.0},
+    },
+    "dp-kfc-natural-ag": {
+        "method": "dp-kfc",
+        "preconditioner": {"step": "natural", "damping_a": 1e-1, "factors": "ag"},
+    },
     # low-rank-plus-tail U_A (top 64 eigenpairs exact, the rest at their mean) where n_a > 128
     "dp-kfc-rank64": {"method": "dp-kfc", "preconditioner": {"rank_a": 64}},
     "dp-kfc-ag-perlayer": {
@@ -127,6 +135,14 @@ METHODS: dict[str, dict[str, Any]] = {
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},
     },
 }
+
+DENSE_A_DEFAULT_UNTIL = "2026-12-01 (session 6)"
+"""Until then the default ``U_A`` was dense (``rank_a`` null). Every DP-KFC variant here was
+measured that way and keeps it pinned, so its committed runs stay what they were; only
+``dp-kfc`` follows the current default (``rank_a`` 64) and ``dp-kfc-dense`` is the old one."""
+for _name, _spec in METHODS.items():
+    if _spec["method"].startswith("dp-kfc") and _name not in ("dp-kfc-rank64",):
+        _spec.setdefault("preconditioner", {}).setdefault("rank_a", None)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,9 @@ Per covered layer with ``T`` output positions, ``G`` groups and factor sizes ``n
 - DP-KFC transform: the cheaper of ``T G (n_a^2 + n_g^2)`` (factored) and
   ``G (n_g^2 n_a + n_g n_a^2)`` (materialized), dropping the terms of identity or diagonal
   factors; ``S C^2 + n_g C K^2`` for a ``conv_a="kron"`` convolution with ``S`` input
-  positions, ``C`` input channels and ``K`` kernel offsets (``KroneckerBlock.sample_grads``).
+  positions, ``C`` input channels and ``K`` kernel offsets (``KroneckerBlock.sample_grads``);
+  a low-rank ``U_A`` (``rank_a = r``, where ``n_a > 2 r``) costs ``2 n_a r`` a row instead of
+  ``n_a^2``.
 
 A step of ``B`` samples costs ``B (3 forward + transform)`` (forward, backward, per-sample
 gradients). A refresh with ``M`` probes costs the probe forward passes (and backward passes for

@@ -212,11 +212,13 @@ def test_non_finite_probes_rejected():
         KroneckerPreconditioner.from_probes(net, x, y, per_sample_ce)
 
 
-def test_float32_decompositions_match_float64_on_small_cnn_probes():
+@pytest.mark.parametrize("rank_a", [None, 64])
+def test_float32_decompositions_match_float64_on_small_cnn_probes(rank_a):
     """The default float32 eigendecompositions give the float64 transform to < 0.1 %.
 
     Real model (the small CNN, factors up to 513 wide) and its pink-noise probes; the check is
-    on what clipping sees: per-sample transformed norms of random gradients.
+    on what clipping sees: per-sample transformed norms of random gradients. With the default
+    ``rank_a`` the 257- and 513-wide factors are low-rank, the others dense.
     """
     from dpkfc_med.models import build_model
     from dpkfc_med.probes import ImageProbeSource
@@ -228,21 +230,30 @@ def test_float32_decompositions_match_float64_on_small_cnn_probes():
     )
     pre = {
         dt: KroneckerPreconditioner.from_probes(
-            model, x, y, per_sample_ce, PreconditionerConfig(eig_dtype=dt, scaling="none")
+            model,
+            x,
+            y,
+            per_sample_ce,
+            PreconditionerConfig(eig_dtype=dt, scaling="none", rank_a=rank_a),
         )
         for dt in ("float32", "float64")
     }
     assert PreconditionerConfig().eig_dtype == "float32"
+    assert PreconditionerConfig().rank_a == 64
+    kinds = []
     for name, b64 in pre["float64"].blocks.items():
         b32 = pre["float32"].blocks[name]
-        assert b32.u_a.dtype == torch.float32 and b64.u_a.dtype == torch.float32
+        u32, u64 = (b.u_a if b.a_low is None else b.a_low.dense() for b in (b32, b64))
+        kinds.append(b64.a_low is not None)
+        assert u32.dtype == torch.float32 and u64.dtype == torch.float32
         g, n_a, n_g = b64.dims
         grads = torch.randn(32, g, n_g, n_a, dtype=torch.float64)
-        n64 = torch.einsum("bgoi,gij->bgoj", grads, b64.u_a.double()).flatten(1).norm(dim=1)
-        n32 = torch.einsum("bgoi,gij->bgoj", grads, b32.u_a.double()).flatten(1).norm(dim=1)
+        n64 = torch.einsum("bgoi,gij->bgoj", grads, u64.double()).flatten(1).norm(dim=1)
+        n32 = torch.einsum("bgoi,gij->bgoj", grads, u32.double()).flatten(1).norm(dim=1)
         assert float(((n32 - n64) / n64).abs().max()) < 1e-3, name
         # and float32 really was used where asked (the float64 matrices differ slightly)
-        assert not torch.equal(b32.u_a, b64.u_a), name
+        assert not torch.equal(u32, u64), name
+    assert kinds == ([False, True, True, False] if rank_a else [False] * 4)
 
 
 def test_kron_conv_factor_matches_explicit_kronecker_products(float64):
