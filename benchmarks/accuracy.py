@@ -89,6 +89,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "opacus": {"method": "opacus"},  # Opacus' own PrivacyEngine, none of our privacy code
     "dp-sgd": {"method": "dp-sgd"},
     "dp-kfc": {"method": "dp-kfc"},  # the shipped default preconditioner
+    # the default until session 6: dense U_A (rank_a null); see DENSE_A_DEFAULT_UNTIL
+    "dp-kfc-dense": {"method": "dp-kfc", "preconditioner": {"rank_a": None}},
     "dp-kfc-white": {"method": "dp-kfc-white"},
     "dp-kfc-ag": {"method": "dp-kfc", "preconditioner": {"factors": "ag", "damping_g": 0.1}},
     # opt-in structured conv factor U_C (x) U_K (cheaper transform; an approximation)
@@ -128,8 +130,6 @@ METHODS: dict[str, dict[str, Any]] = {
         "method": "dp-kfc",
         "preconditioner": {"step": "natural", "damping_a": 1e-1, "factors": "ag"},
     },
-    # low-rank-plus-tail U_A (top 64 eigenpairs exact, the rest at their mean) where n_a > 128
-    "dp-kfc-rank64": {"method": "dp-kfc", "preconditioner": {"rank_a": 64}},
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},
@@ -141,7 +141,7 @@ DENSE_A_DEFAULT_UNTIL = "2026-12-01 (session 6)"
 measured that way and keeps it pinned, so its committed runs stay what they were; only
 ``dp-kfc`` follows the current default (``rank_a`` 64) and ``dp-kfc-dense`` is the old one."""
 for _name, _spec in METHODS.items():
-    if _spec["method"].startswith("dp-kfc") and _name not in ("dp-kfc-rank64",):
+    if _spec["method"].startswith("dp-kfc") and _name != "dp-kfc":
         _spec.setdefault("preconditioner", {}).setdefault("rank_a", None)
 
 
