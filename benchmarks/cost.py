@@ -1378,7 +1378,7 @@ def plan_model(
     if args.kfc_conv_a is not None:
         kfc["conv_a"] = args.kfc_conv_a
         notes.append(f"--kfc-conv-a {args.kfc_conv_a} given")
-    if args.kfc_rank_a is not None:
+    if args.kfc_rank_a != -1:
         kfc["rank_a"] = args.kfc_rank_a
         notes.append(f"--kfc-rank-a {args.kfc_rank_a} given")
     requested = batch_override or setting.batch
@@ -1620,7 +1620,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kfc-conv-a", default=None, choices=["full", "kron"], help="dp-kfc conv_a override"
     )
-    p.add_argument("--kfc-rank-a", type=int, default=None, help="dp-kfc rank_a override")
+    p.add_argument(
+        "--kfc-rank-a",
+        type=lambda v: None if v.lower() in ("none", "null", "dense") else int(v),
+        default=-1,  # not given (argparse passes only string defaults through type)
+        help="dp-kfc rank_a override (an integer, or none for the dense U_A)",
+    )
     p.add_argument("--refresh-reps", type=int, default=None, help="timed refreshes (GPU 3, else 1)")
     p.add_argument(
         "--memory-steps", type=int, default=None, help="steps per memory process (2; quick 1)"

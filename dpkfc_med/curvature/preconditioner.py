@@ -409,10 +409,14 @@ class LowRankA:
 
     def __post_init__(self) -> None:
         n = self.v.shape[1]
+        # (V diag(d))^T, formed once: the second product of a row needs no scaling pass.
+        self.vd_t = (self.v * self.d[:, None]).transpose(-1, -2).contiguous()  # [G, r, n_a]
         # Row n-1 of U_A (the bias coordinate, when the layer has one): formed once.
-        last = ((self.v[:, n - 1] * self.d)[:, None] @ self.v.transpose(-1, -2))[:, 0]
+        last = (self.v[:, n - 1, None] @ self.vd_t)[:, 0]
         last[:, n - 1] += self.c
         self.last_row = last
+        # one group: c as a Python number (no device sync per product on GPUs)
+        self.c_scalar = float(self.c[0]) if self.c.shape[0] == 1 else None
 
     @classmethod
     def from_factor(cls, factor: Tensor, damping: float, rank: int) -> tuple[LowRankA, Tensor]:
@@ -452,10 +456,17 @@ class LowRankA:
         With ``n_w = n_a - 1`` the bias coordinate's row (``last_row``) is left out, as
         ``x U_A[:n_w]`` of a dense ``U_A``.
         """
-        n_w, v = x.shape[-1], self.v
-        y = torch.matmul(x, v[:, :n_w] if n_w < v.shape[1] else v)  # [B, G, m, r]
-        out = torch.matmul(y * self.d[:, None], v.transpose(-1, -2))  # [B, G, m, n_a]
-        out[..., :n_w].add_(x * self.c[:, None, None])
+        # one contiguous copy of (possibly strided, unfolded) rows serves both products
+        x = x.contiguous()
+        n_w, v, vd_t = x.shape[-1], self.v, self.vd_t
+        if v.shape[0] == 1:  # 2D factors: one matrix product over all rows, not B of them
+            v, vd_t = v[0], vd_t[0]
+        y = torch.matmul(x, v[..., :n_w, :] if n_w < v.shape[-2] else v)  # [B, G, m, r]
+        out = torch.matmul(y, vd_t)  # [B, G, m, n_a]
+        if self.c_scalar is not None:  # one group: added without a temporary
+            out[..., :n_w].add_(x, alpha=self.c_scalar)
+        else:
+            out[..., :n_w].add_(x * self.c[:, None, None])
         return out
 
 
