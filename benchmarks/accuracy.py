@@ -339,6 +339,17 @@ def summarize(data: dict[str, Any]) -> str:
             else f"| {method} | - | {chosen[(method, eps)]:g} | {fmt([x['accuracy'] for x in t])} | "
             f"{fmt([x['balanced_accuracy'] for x in t])} | {fmt([x['auroc'] for x in t])} | - | {len(runs)} |"
         )
+    shown = sorted({m for m, _ in rows}, key=order.index)
+    lines += [
+        "",
+        "Method settings (overrides of the suite config; `rank_a: null` = dense U_A):",
+        "",
+    ]
+    lines += [
+        f"- `{m}`: "
+        + json.dumps({k: v for k, v in METHODS[m].items() if k != "lrs"}, sort_keys=True)
+        for m in shown
+    ]
     lines += [
         "",
         "Tuning runs (seed 0, validation AUROC):",

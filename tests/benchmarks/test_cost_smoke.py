@@ -97,9 +97,11 @@ def test_transform_macs_follow_the_sampler_paths(cost, fast_build):
     rows = cost.layer_footprint(cost.CASES["small_cnn"], (28, 28))
     conv2 = next(r for r in rows if r["C"] == 16)
     assert (conv2["T"], conv2["S"], conv2["n_a"], conv2["n_g"]) == (25, 169, 257, 32)
-    full = {m["layer"]: m for m in cost.transform_macs(rows, {})}[conv2["layer"]]
+    full = {m["layer"]: m for m in cost.transform_macs(rows, {"rank_a": None})}[conv2["layer"]]
+    low = {m["layer"]: m for m in cost.transform_macs(rows, {})}[conv2["layer"]]  # default 64
     kron = {m["layer"]: m for m in cost.transform_macs(rows, {"conv_a": "kron"})}
     assert full["raw"] == 25 * 257 * 32
     assert full["transform"] == min(25, 32) * 257 * 257  # factored: rows times U_A
+    assert low["transform"] == 25 * 2 * 257 * 64  # rows times V, then times (V diag d)^T
     # U_C on the 169 input positions, U_K on the per-sample gradient's 32 x 16 blocks
     assert kron[conv2["layer"]]["transform"] == 169 * 16 * 16 + 32 * 16 * 16 * 16
