@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import ROOT, _environment, _git_commit, _load, _merge, _save  # noqa: E402
 
-from dpkfc_med.training.config import config_from_dict  # noqa: E402
+from dpkfc_med.training.config import apply_overrides, config_from_dict  # noqa: E402
 from dpkfc_med.training.loop import train  # noqa: E402
 
 METHODS = ("nonprivate", "dp-sgd", "dp-kfc")
@@ -105,7 +105,9 @@ def summarize(data: dict[str, Any]) -> str:
         return f"{a.mean():.3f} +- {a.std(ddof=1) if len(a) > 1 else 0:.3f}"
 
     lines = [
-        f"## {data.get('config')} (test cases; mean +- std over seeds {data.get('seeds')})",
+        f"## {data.get('config')}"
+        + "".join(f" --set {o}" for o in data.get("overrides") or [])
+        + f" (test cases; mean +- std over seeds {data.get('seeds')})",
         "",
         "| method | target epsilon | lr (chosen on val) | test mean Dice | "
         + " | ".join(f"Dice {n}" for n in names)
@@ -156,9 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run, e.g. preconditioner.rank_a=64 (as the CLI's --set)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    base = yaml.safe_load(args.config.read_text())
+    base = apply_overrides(yaml.safe_load(args.config.read_text()), args.set)
     out = args.out or ROOT / "benchmarks" / "results" / f"segmentation_{base['name']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = _load(out)
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     data.update(
         {
             "config": str(args.config.resolve().relative_to(ROOT)),
+            "overrides": args.set,
             "config_contents": base,
             "target_epsilon": base["privacy"]["target_epsilon"],
             "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
