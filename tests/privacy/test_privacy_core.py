@@ -507,3 +507,23 @@ def test_natural_step_refused_with_adambc():
         )
     with pytest.raises(ValueError, match="preconditioner.step='nat'"):
         PreconditionerConfig(step="nat")
+
+
+def test_natural_step_refused_with_dpadambc_in_the_library():
+    from dpkfc_med.privacy.adambc import DPAdamBC
+
+    x, y = _data()
+    model = tiny_cnn_2d()
+    with pytest.raises(ValueError, match="step='natural' with DPAdamBC"):
+        PrivacyEngine(seed=0).make_private(
+            module=model,
+            optimizer=DPAdamBC(model.parameters(), lr=0.01),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            delta=1e-5,
+            method="dp-kfc",
+            probe_source=GaussianProbes(tuple(x.shape[1:])),
+            probe_loss=per_sample_ce,
+            preconditioner=PreconditionerConfig(step="natural"),
+        )
