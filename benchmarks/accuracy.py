@@ -130,6 +130,11 @@ METHODS: dict[str, dict[str, Any]] = {
         "method": "dp-kfc",
         "preconditioner": {"step": "natural", "damping_a": 1e-1, "factors": "ag"},
     },
+    # the natural step with the current default (low-rank) A factor
+    "dp-kfc-natural-lowrank": {
+        "method": "dp-kfc",
+        "preconditioner": {"step": "natural", "damping_a": 1e-1, "rank_a": 64},
+    },
     "dp-kfc-ag-perlayer": {
         "method": "dp-kfc",
         "preconditioner": {"factors": "ag", "damping_g": 0.1, "scaling": "per_layer"},
