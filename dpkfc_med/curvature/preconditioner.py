@@ -139,10 +139,11 @@ class PreconditionerConfig:
             ``U_A = c I + V diag(d) V^T`` is stored as ``n_a x r`` instead of ``n_a x n_a``
             and a row costs ``2 n_a r`` multiply-adds instead of ``n_a^2``. An approximation
             of the preconditioner (the tail is whitened as a whole), still probe-only. The
-            default follows ``benchmarks/results``: test AUROC and accuracy within seed noise
-            of the dense factor's on the small CNN, the DenseNet and the hippocampus UNet,
-            and the DenseNet step 0.97-1.10x Opacus' instead of 1.39x (memory 1.02-1.06x
-            instead of 1.16x). Applies to layers ``conv_a="kron"`` does not take.
+            default follows ``benchmarks/results``: test AUROC within seed noise of the dense
+            factor's on the small CNN and the DenseNet (Dice equal on the hippocampus UNet),
+            accuracy too except the small CNN at epsilon 8 (0.816 against 0.855, about two
+            standard errors), and the DenseNet step 0.97-1.10x Opacus' instead of 1.39x
+            (memory 1.02-1.06x instead of 1.16x). Applies to layers ``conv_a="kron"`` does not take.
         step: ``"transformed"`` (default) or ``"natural"``. ``transformed`` takes the base
             optimizer's step on the privatized sum of ``s U_G g_i U_A`` as it is (signal
             direction ``P g`` with ``P = s U_A (x) U_G``, isotropic noise). ``natural``
