@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for
 from dpkfc_med.curvature.factors import FactorReduction, covered_layers
+from dpkfc_med.curvature.preconditioner import low_rank_of
 
 __all__ = [
     "AUTO_REFRESH_BASE",
@@ -175,9 +176,9 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
         full_a = _full(n_a, factors, max_dim)
         full_g = factors == "ag" and n_g <= max_dim
         a_row = full_a * n_a * n_a  # one row times U_A
-        rank = cfg.get("rank_a")
-        if full_a and rank is not None and n_a > 2 * rank and not _kron(r, cfg, full_a):
-            a_row = 2 * n_a * int(rank)  # c I + V diag(d) V^T
+        rank = low_rank_of(n_a, cfg.get("rank_a"))
+        if full_a and rank and not _kron(r, cfg, full_a):
+            a_row = 2 * n_a * rank  # c I + V diag(d) V^T
         materialized = g * (full_g * n_g * n_g * n_a + n_g * a_row)
         if factors == "identity":
             extra = 0

@@ -67,6 +67,7 @@ __all__ = [
     "PreconditionerConfig",
     "ScaleRule",
     "inverse_sqrt",
+    "low_rank_of",
 ]
 
 
@@ -387,6 +388,16 @@ def _kron_a(
     return KronA(u_c[0].to(out_dtype), u_k[0].to(out_dtype), bias), evals
 
 
+def low_rank_of(n_a: int, rank_a: int | None) -> int | None:
+    """The rank of a full ``n_a``-wide ``A`` under ``rank_a``; ``None``: it stays dense.
+
+    Low-rank only where it saves work: a row costs ``2 n_a r`` multiply-adds instead of
+    ``n_a^2``. The cost model (:mod:`.cost`) and :meth:`KroneckerPreconditioner.from_probes`
+    share this rule.
+    """
+    return rank_a if rank_a is not None and n_a > 2 * rank_a else None
+
+
 @dataclass
 class LowRankA:
     r"""``U_A = c I + V diag(d) V^T`` per group: ``A``'s top ``r`` eigenpairs, the tail at its mean.
@@ -421,8 +432,14 @@ class LowRankA:
         self.c_scalar = float(self.c[0]) if self.c.shape[0] == 1 else None
 
     @classmethod
-    def from_factor(cls, factor: Tensor, damping: float, rank: int) -> tuple[LowRankA, Tensor]:
-        """From ``A [G, n, n]`` (``n > rank``); also returns the eigenvalues ``[G, n]``."""
+    def from_factor(
+        cls, factor: Tensor, damping: float, rank: int, out_dtype: torch.dtype | None = None
+    ) -> tuple[LowRankA, Tensor]:
+        """From ``A [G, n, n]`` (``n > rank``); also returns the eigenvalues ``[G, n]``.
+
+        Decomposed in ``factor``'s dtype; the operator is built in ``out_dtype`` (default the
+        same), once.
+        """
         evals, evecs = torch.linalg.eigh(factor)
         lam = evals.clamp_min(0)
         lam = lam + damping * lam.mean(-1, keepdim=True)
@@ -431,11 +448,9 @@ class LowRankA:
         n = lam.shape[-1]
         c = lam[:, : n - rank].mean(-1).rsqrt()
         d = lam[:, n - rank :].rsqrt() - c[:, None]
-        return cls(evecs[:, :, n - rank :].contiguous(), d, c), evals
-
-    def to(self, dtype: torch.dtype) -> LowRankA:
-        """The same operator in ``dtype``."""
-        return LowRankA(self.v.to(dtype), self.d.to(dtype), self.c.to(dtype))
+        dt = out_dtype or factor.dtype
+        v = evecs[:, :, n - rank :].to(dt).contiguous()
+        return cls(v, d.to(dt), c.to(dt)), evals
 
     @property
     def rank(self) -> int:
@@ -450,7 +465,7 @@ class LowRankA:
     def dense(self) -> Tensor:
         """``[G, n_a, n_a]`` explicit matrix (tests, small layers)."""
         eye = torch.eye(self.v.shape[1], dtype=self.v.dtype, device=self.v.device)
-        return self.c[:, None, None] * eye + (self.v * self.d[:, None]) @ self.v.transpose(-1, -2)
+        return self.c[:, None, None] * eye + self.v @ self.vd_t
 
     def right_w(self, x: Tensor) -> Tensor:
         """``[x, 0] U_A`` for rows ``x [B, G, m, n_w]``, ``n_w`` = ``n_a`` or ``n_a - 1``.
@@ -845,12 +860,10 @@ class KroneckerPreconditioner:
                 ref: Tensor = module.weight  # type: ignore[assignment]
                 # a float64 model gets float64 decompositions whatever eig_dtype says
                 dt = torch.promote_types(eig_dtype, ref.dtype)
-                rank = cfg.rank_a
                 if _kron_eligible(module, f.a) and cfg.conv_a == "kron":
                     a_kron, ev_a = _kron_a(module, f.a, cfg.damping_a, dt, ref.dtype)
-                elif rank is not None and f.a.dim() == 3 and f.a.shape[-1] > 2 * rank:
-                    a_low, ev_a = LowRankA.from_factor(f.a.to(dt), cfg.damping_a, rank)
-                    a_low = a_low.to(ref.dtype)
+                elif f.a.dim() == 3 and (rank := low_rank_of(f.a.shape[-1], cfg.rank_a)):
+                    a_low, ev_a = LowRankA.from_factor(f.a.to(dt), cfg.damping_a, rank, ref.dtype)
                 else:
                     u_a, ev_a = inverse_sqrt_with_spectrum(f.a.to(dt), cfg.damping_a)
                     u_a = u_a.to(ref.dtype)

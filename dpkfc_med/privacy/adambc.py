@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DPAdamBC"]
+__all__ = ["NATURAL_STEP_REFUSED", "DPAdamBC"]
+
+NATURAL_STEP_REFUSED = (
+    "DP-AdamBC subtracts an isotropic noise variance, but the natural step shapes the noise "
+    "by the preconditioner; use step 'transformed' with DP-AdamBC, or SGD/Adam"
+)
+"""Why DP-AdamBC and ``step="natural"`` are refused together (config and engine)."""
 
 
 class DPAdamBC(torch.optim.Optimizer):

@@ -35,7 +35,7 @@ from dpkfc_med.curvature.cost import (
 from dpkfc_med.curvature.factors import LossFn, covered_layers
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
-from dpkfc_med.privacy.adambc import DPAdamBC
+from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.rng import SecurePoissonSampler
@@ -228,9 +228,7 @@ class PrivacyEngine:
             natural = preconditioner is not None and preconditioner.step == "natural"
             if natural and isinstance(optimizer, DPAdamBC):
                 problems.append(
-                    "preconditioner step='natural' with DPAdamBC: DP-AdamBC subtracts an "
-                    "isotropic noise variance, but the natural step shapes the noise by the "
-                    "preconditioner; use step='transformed' with DPAdamBC, or SGD/Adam"
+                    f"preconditioner step='natural' with DPAdamBC: {NATURAL_STEP_REFUSED}"
                 )
         if problems:
             raise ValueError("invalid privacy settings:\n  " + "\n  ".join(problems))

@@ -25,6 +25,7 @@ import yaml
 
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -347,9 +348,8 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
         and cfg.method.startswith("dp-kfc")
     ):
         problems.append(
-            "preconditioner.step='natural' with training.optimizer='adambc': DP-AdamBC "
-            "subtracts an isotropic noise variance, but the natural step shapes the noise by "
-            "the preconditioner; use step 'transformed' with adambc, or optimizer sgd/adam"
+            "preconditioner.step='natural' with training.optimizer='adambc': "
+            + NATURAL_STEP_REFUSED
         )
     try:
         cfg.preconditioner_config()
