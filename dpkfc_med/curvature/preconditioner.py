@@ -28,6 +28,11 @@ samples we compute raw per-sample gradient norms ``||g_i||`` and transformed nor
 * ``none``: ``s = 1``.
 
 All of it depends only on probes and on the current (already released) parameters.
+
+Every eigendecomposition goes through :func:`~dpkfc_med.curvature.linalg.robust_eigh`: a
+factor whose decomposition fails in ``eig_dtype`` is retried in float64, then with a small
+diagonal jitter, and as a last resort gets the damped identity scaled by its mean diagonal;
+each such fallback is listed in ``summary()["eig_fallbacks"]``.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from dpkfc_med.curvature.factors import (
     covered_layers,
     estimate_factors,
 )
+from dpkfc_med.curvature.linalg import EighFallback, robust_eigh
 from dpkfc_med.utils import check_choice
 
 # Opacus' per-layer per-sample gradient formulas (norm layers, embeddings, ...), reused for the
@@ -222,13 +228,26 @@ def inverse_sqrt(factor: Tensor, damping: float) -> Tensor:
     """``(F + damping * mean_eig(F) * I)^{-1/2}`` for ``[G, n, n]`` (or diagonal ``[G, n]``).
 
     Eigenvalues are clamped at 0 before damping (round-off can make them slightly negative).
-    An all-zero factor (a layer the probe loss does not reach) maps to the identity.
+    An all-zero factor (a layer the probe loss does not reach) maps to the identity. A
+    decomposition failure falls back as :func:`~dpkfc_med.curvature.linalg.robust_eigh`
+    describes (logged, never raised).
     """
     return inverse_sqrt_with_spectrum(factor, damping)[0]
 
 
-def inverse_sqrt_with_spectrum(factor: Tensor, damping: float) -> tuple[Tensor, Tensor]:
-    """:func:`inverse_sqrt` and the factor's eigenvalues ``[G, n]`` (one decomposition)."""
+def inverse_sqrt_with_spectrum(
+    factor: Tensor,
+    damping: float,
+    *,
+    layer: str = "",
+    part: str = "",
+    record: list[EighFallback] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`inverse_sqrt` and the factor's eigenvalues ``[G, n]`` (one decomposition).
+
+    ``layer``, ``part`` and ``record`` label and collect decomposition fallbacks
+    (:func:`~dpkfc_med.curvature.linalg.robust_eigh`).
+    """
     if factor.dim() == 2:
         mean = factor.mean(dim=-1, keepdim=True)
         lam = factor.clamp_min(0) + damping * mean
@@ -240,7 +259,7 @@ def inverse_sqrt_with_spectrum(factor: Tensor, damping: float) -> tuple[Tensor, 
     n = factor.shape[-1]
     mean = (torch.diagonal(factor, dim1=-2, dim2=-1).sum(-1) / n).clamp_min(0)  # = mean eig
     shift = (damping * mean)[:, None, None] * torch.eye(n, dtype=factor.dtype, device=factor.device)
-    lam, evecs = torch.linalg.eigh(factor + shift)
+    lam, evecs = robust_eigh(factor + shift, layer=layer, part=part, record=record)
     evals = lam - damping * mean[:, None]
     # eigenvalues of the undamped factor are clamped at 0, i.e. lam at damping * mean
     lam = torch.maximum(lam, damping * mean[:, None])
@@ -366,11 +385,19 @@ class KronA:
 
 
 def _kron_a(
-    module: nn.Module, a: Tensor, damping: float, dtype: torch.dtype, out_dtype: torch.dtype
+    module: nn.Module,
+    a: Tensor,
+    damping: float,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    *,
+    layer: str = "",
+    record: list[EighFallback] | None = None,
 ) -> tuple[KronA, Tensor]:
     """Channel and kernel factors from the partial traces of ``A [1, n_a, n_a]``.
 
     Decomposed in ``dtype``; the returned factors are in ``out_dtype`` (the layer's).
+    Decomposition fallbacks are recorded as parts ``"A_C"`` and ``"A_K"`` of ``layer``.
     """
     c = int(getattr(module, "in_channels"))  # noqa: B009 (checked by _kron_eligible)
     k = math.prod(int(v) for v in getattr(module, "kernel_size"))  # noqa: B009
@@ -381,8 +408,12 @@ def _kron_a(
     mean_k = torch.diagonal(a_k).mean()
     if mean_k > 0:  # tr(A_C (x) A_K) = tr(A_C) tr(A_K) = tr(A) with mean eig(A_K) = 1
         a_k = a_k / mean_k
-    u_c, ev_c = inverse_sqrt_with_spectrum(a_c[None].to(dtype), damping)
-    u_k, ev_k = inverse_sqrt_with_spectrum(a_k[None].to(dtype), damping)
+    u_c, ev_c = inverse_sqrt_with_spectrum(
+        a_c[None].to(dtype), damping, layer=layer, part="A_C", record=record
+    )
+    u_k, ev_k = inverse_sqrt_with_spectrum(
+        a_k[None].to(dtype), damping, layer=layer, part="A_K", record=record
+    )
     bias = (1.0 + damping) ** -0.5 if a.shape[-1] > ck else None
     evals = (ev_c[0][:, None] * ev_k[0][None, :]).reshape(1, -1)
     return KronA(u_c[0].to(out_dtype), u_k[0].to(out_dtype), bias), evals
@@ -433,14 +464,23 @@ class LowRankA:
 
     @classmethod
     def from_factor(
-        cls, factor: Tensor, damping: float, rank: int, out_dtype: torch.dtype | None = None
+        cls,
+        factor: Tensor,
+        damping: float,
+        rank: int,
+        out_dtype: torch.dtype | None = None,
+        *,
+        layer: str = "",
+        record: list[EighFallback] | None = None,
     ) -> tuple[LowRankA, Tensor]:
         """From ``A [G, n, n]`` (``n > rank``); also returns the eigenvalues ``[G, n]``.
 
         Decomposed in ``factor``'s dtype; the operator is built in ``out_dtype`` (default the
-        same), once.
+        same), once. A decomposition failure falls back as
+        :func:`~dpkfc_med.curvature.linalg.robust_eigh` describes (the last resort gives
+        ``U_A = c I``), recorded in ``record`` as part ``"A"`` of ``layer``.
         """
-        evals, evecs = torch.linalg.eigh(factor)
+        evals, evecs = robust_eigh(factor, layer=layer, part="A", record=record)
         lam = evals.clamp_min(0)
         lam = lam + damping * lam.mean(-1, keepdim=True)
         # an all-zero factor (a layer the probes do not reach) maps to the identity
@@ -833,6 +873,7 @@ class KroneckerPreconditioner:
         blocks: dict[str, KroneckerBlock] = {}
         factors: dict[str, KroneckerFactors] = {}
         spectra: dict[str, dict[str, Any]] = {}
+        eig_fallbacks: list[EighFallback] = []
         if cfg.factors is not FactorMode.IDENTITY:
             factors = estimate_factors(
                 model,
@@ -861,15 +902,23 @@ class KroneckerPreconditioner:
                 # a float64 model gets float64 decompositions whatever eig_dtype says
                 dt = torch.promote_types(eig_dtype, ref.dtype)
                 if _kron_eligible(module, f.a) and cfg.conv_a == "kron":
-                    a_kron, ev_a = _kron_a(module, f.a, cfg.damping_a, dt, ref.dtype)
+                    a_kron, ev_a = _kron_a(
+                        module, f.a, cfg.damping_a, dt, ref.dtype, layer=name, record=eig_fallbacks
+                    )
                 elif f.a.dim() == 3 and (rank := low_rank_of(f.a.shape[-1], cfg.rank_a)):
-                    a_low, ev_a = LowRankA.from_factor(f.a.to(dt), cfg.damping_a, rank, ref.dtype)
+                    a_low, ev_a = LowRankA.from_factor(
+                        f.a.to(dt), cfg.damping_a, rank, ref.dtype, layer=name, record=eig_fallbacks
+                    )
                 else:
-                    u_a, ev_a = inverse_sqrt_with_spectrum(f.a.to(dt), cfg.damping_a)
+                    u_a, ev_a = inverse_sqrt_with_spectrum(
+                        f.a.to(dt), cfg.damping_a, layer=name, part="A", record=eig_fallbacks
+                    )
                     u_a = u_a.to(ref.dtype)
                 spectra[name] = {"A": _spectrum_stats(ev_a)}
                 if cfg.factors is FactorMode.AG:
-                    u_g, ev_g = inverse_sqrt_with_spectrum(f.g.to(dt), cfg.damping_g)
+                    u_g, ev_g = inverse_sqrt_with_spectrum(
+                        f.g.to(dt), cfg.damping_g, layer=name, part="G", record=eig_fallbacks
+                    )
                     u_g = u_g.to(ref.dtype)
                     spectra[name]["G"] = _spectrum_stats(ev_g)
             blocks[name] = KroneckerBlock(
@@ -885,6 +934,7 @@ class KroneckerPreconditioner:
             "seconds_inverse": t_inv,
             "seconds_total": time.perf_counter() - t0,
             "spectra": spectra,
+            "eig_fallbacks": [r.to_dict() for r in eig_fallbacks],
             **calib,
         }
         return pre
@@ -1091,8 +1141,18 @@ class KroneckerPreconditioner:
         return rows
 
     def summary(self) -> dict[str, Any]:
-        """JSON-serialisable description for the privacy report."""
-        return {"config": self.config.to_dict(), "coverage": self.coverage(), **self.info}
+        """JSON-serialisable description for the privacy report.
+
+        ``"eig_fallbacks"`` lists every factor whose eigendecomposition fell back (one
+        :meth:`~dpkfc_med.curvature.linalg.EighFallback.to_dict` each: layer, factor, what
+        failed, what was used); empty when all succeeded in ``eig_dtype``.
+        """
+        return {
+            "config": self.config.to_dict(),
+            "coverage": self.coverage(),
+            "eig_fallbacks": [],
+            **self.info,
+        }
 
 
 def coverage_summary(model: nn.Module) -> list[dict[str, Any]]:

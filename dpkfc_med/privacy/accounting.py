@@ -38,6 +38,7 @@ __all__ = [
     "GaussianSteps",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
+    "calibrate_remaining",
     "epsilon_for",
 ]
 
@@ -161,6 +162,64 @@ def calibrate_noise_multiplier(
     while epsilon_for([GaussianSteps(sample_rate, sigma, steps)], delta, kind) > target_epsilon:
         sigma *= 1.01
     return sigma
+
+
+def calibrate_remaining(
+    *,
+    spent: list[GaussianSteps],
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant | str = Accountant.PRV,
+    tolerance: float = 0.005,
+) -> float:
+    """Smallest noise multiplier for ``steps`` more steps so the *composed* ledger stays in budget.
+
+    The epsilon of ``spent`` followed by ``steps`` Poisson-subsampled Gaussian steps at
+    ``sample_rate`` is at most ``target_epsilon`` (found by bisection on ``log sigma``; epsilon
+    decreases in sigma). Used to re-plan a resumed run over what is left of its budget.
+
+    Raises:
+        ValueError: the spent events alone already reach the target (nothing is left to plan).
+    """
+    kind = check_choice("accountant", accountant, Accountant)
+    spent = [e for e in spent if e.steps > 0]
+    if not spent:
+        return calibrate_noise_multiplier(
+            target_epsilon=target_epsilon,
+            delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=kind,
+        )
+    used = epsilon_for(spent, delta, kind)
+    if used >= target_epsilon:
+        raise ValueError(
+            f"the {sum(e.steps for e in spent)} steps already spent cost epsilon {used:.4f} >= "
+            f"target {target_epsilon}: no budget is left for more steps"
+        )
+
+    def eps(sigma: float) -> float:
+        return epsilon_for([*spent, GaussianSteps(sample_rate, sigma, steps)], delta, kind)
+
+    lo, hi = 0.1, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 4
+        if hi > 1e4:
+            raise ValueError(
+                f"no noise multiplier up to 1e4 keeps {steps} more steps within the target"
+            )
+    while eps(lo) <= target_epsilon and lo > 1e-3:
+        hi, lo = lo, lo / 4
+    # invariant: eps(hi) <= target < eps(lo)
+    while eps(hi) < target_epsilon - tolerance and hi / lo > 1.0 + 1e-4:
+        mid = math.sqrt(lo * hi)
+        if eps(mid) <= target_epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 class PrivacyLedger:

@@ -15,6 +15,7 @@ Privacy guarantee:
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -41,7 +42,7 @@ from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.rng import SecurePoissonSampler
 from dpkfc_med.utils import check_choice
 
-__all__ = ["Method", "PrivacyEngine", "check_model_compatible"]
+__all__ = ["Method", "PrivacyEngine", "check_loader_sampling", "check_model_compatible"]
 
 
 class Method(str, Enum):
@@ -78,10 +79,48 @@ def check_model_compatible(model: nn.Module) -> None:
         )
 
 
+def _entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from OS entropy; the seed lives only in this call."""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+
+def check_loader_sampling(data_loader: DataLoader) -> None:
+    """Refuse a loader whose sampling the accountant cannot model.
+
+    The engine replaces the loader's sampling by Poisson sampling of units at rate
+    ``1 / len(data_loader)``. A loader built with its own ``sampler`` or ``batch_sampler``
+    (``WeightedRandomSampler``, a class-balanced or custom sampler, a subset sampler) says the
+    user wants other sampling: silently replacing it would train on data the user did not
+    intend, keeping it would break the accountant (Opacus issue #813). Plain sequential or
+    shuffled loaders are accepted.
+    """
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    sampler = getattr(data_loader, "sampler", None)
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    plain_sampler = type(sampler) in (SequentialSampler, RandomSampler)
+    if isinstance(sampler, RandomSampler) and (
+        sampler.replacement or sampler._num_samples is not None
+    ):
+        plain_sampler = False
+    plain_batches = batch_sampler is None or type(batch_sampler) is BatchSampler
+    if plain_sampler and plain_batches:
+        return
+    culprit = sampler if not plain_sampler else batch_sampler
+    raise ValueError(
+        f"data_loader uses {type(culprit).__name__}: private training samples every unit "
+        "independently with probability q (Poisson sampling), the only sampling the "
+        "accountant models; a weighted, class-balanced, subset or custom sampler would make the "
+        "reported epsilon wrong. Pass a plain DataLoader(dataset, batch_size=B) (B = expected "
+        "batch size); to rebalance classes, weight the loss instead of the sampler"
+    )
+
+
 def _poisson_loader(
     data_loader: DataLoader, *, generator: torch.Generator | None, secure: bool
 ) -> DataLoader:
     """Poisson-sampled loader with the expected batch size of ``data_loader``."""
+    check_loader_sampling(data_loader)
     dataset = data_loader.dataset
     n = len(dataset)  # type: ignore[arg-type]
     if n == 0:
@@ -118,8 +157,16 @@ class PrivacyEngine:
 
     Args:
         accountant: primary accountant (``"prv"``; ``"rdp"``/``"pld"`` for cross-checks).
-        secure_mode: draw sampling and noise randomness from the OS CSPRNG (production).
-        seed: seeds the sampler and noise generators (research runs; not with secure_mode).
+        secure_mode: draw every sampling decision and noise value from the OS CSPRNG.
+        seed: research only: seeds the sampler and noise generators so that a run can be
+            replayed. Whoever knows the seed can replay the noise, so a seeded run is not a
+            valid DP release (:attr:`reproducible` is then true and reports say so).
+
+    Privacy guarantee:
+        Without a seed the noise and the Poisson sampler use PyTorch generators seeded once
+        from OS entropy (``secrets``); those seeds are kept in memory only -- never logged,
+        checkpointed or reported -- so nothing a run publishes lets anyone replay its noise.
+        A resumed run draws fresh seeds.
     """
 
     def __init__(
@@ -142,6 +189,9 @@ class PrivacyEngine:
         if seed is not None:
             self.noise_generator = torch.Generator().manual_seed(seed)
             self.sample_generator = torch.Generator().manual_seed(seed + 1)
+        elif not secure_mode:
+            self.noise_generator = _entropy_generator()
+            self.sample_generator = _entropy_generator()
         self.ledger: PrivacyLedger | None = None
         self.module: PreconditionedGradSampleModule | None = None
         self.optimizer: ScaleThenPrivatizeOptimizer | None = None
@@ -263,9 +313,13 @@ class PrivacyEngine:
         opt.attach_step_hook(self._record_step)
         self.module, self.optimizer = gsm, opt
         ref = next(gsm.parameters(), None)
-        if self.seed is not None and ref is not None and ref.device.type != "cpu":
+        if self.noise_generator is not None and ref is not None and ref.device.type != "cpu":
             # Opacus draws the noise on the parameters' device with this generator.
-            self.noise_generator = torch.Generator(device=ref.device).manual_seed(self.seed)
+            self.noise_generator = (
+                torch.Generator(device=ref.device).manual_seed(self.seed)
+                if self.seed is not None
+                else _entropy_generator(ref.device)
+            )
             opt.generator = self.noise_generator
         for name, m in gsm._module.named_modules():
             for p_name, p in m.named_parameters(recurse=False):
@@ -410,6 +464,7 @@ class PrivacyEngine:
                 "probe_seed": seed,
                 "seconds": time.perf_counter() - t0,
                 "scale": pre.info.get("scale"),
+                "eig_fallbacks": list(pre.info.get("eig_fallbacks", [])),
             }
         )
         return pre
@@ -441,15 +496,34 @@ class PrivacyEngine:
         }
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def reproducible(self) -> bool:
+        """Whether the noise can be replayed from a seed (research runs, not a DP release)."""
+        return self.seed is not None
+
+    @property
+    def randomness(self) -> str:
+        """Where the mechanism's randomness comes from, in words (for the report)."""
+        if self.secure_mode:
+            return "os-csprng"
+        return "seeded" if self.seed is not None else "os-entropy"
+
     def state_dict(self) -> dict[str, Any]:
-        """Ledger, schedule and RNG states (for exact resume)."""
+        """Ledger, schedule and, for seeded research runs only, the RNG states.
+
+        Entropy-seeded generator states are never written: a checkpoint must not let anyone
+        replay the noise (a resumed run draws fresh seeds).
+        """
+        replay = self.reproducible
         return {
             "ledger": self.ledger.to_dict() if self.ledger else None,
             "steps_taken": self.optimizer.steps_taken if self.optimizer else 0,
             "refreshes": list(self.refreshes),
-            "noise_generator": self.noise_generator.get_state() if self.noise_generator else None,
+            "noise_generator": self.noise_generator.get_state()
+            if replay and self.noise_generator
+            else None,
             "sample_generator": self.sample_generator.get_state()
-            if self.sample_generator
+            if replay and self.sample_generator
             else None,
         }
 

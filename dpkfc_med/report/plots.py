@@ -14,25 +14,27 @@ from typing import Any
 
 from dpkfc_med.report.numbers import format_delta, format_epsilon
 
-__all__ = ["PLOT_FILES", "render_plots"]
+__all__ = ["PLOT_FILES", "render_custodian_plots", "render_plots"]
 
-PLOT_FILES: dict[str, str] = {
-    "epsilon": "plots/epsilon.png",
-    "training": "plots/training.png",
-}
+PLOT_FILES: dict[str, str] = {"epsilon": "plots/epsilon.png"}
 """Plot key -> path relative to the run directory (the Markdown links to these)."""
 
 
 def render_plots(report: Mapping[str, Any]) -> dict[str, bytes]:
-    """PNG bytes of every report figure, keyed like :data:`PLOT_FILES`.
+    """PNG bytes of every figure of the shareable report, keyed like :data:`PLOT_FILES`.
 
     Args:
         report: A valid report (see :func:`dpkfc_med.report.validate_report`).
 
     Returns:
-        ``{"epsilon": png, "training": png}``.
+        ``{"epsilon": png}``.
     """
-    return {"epsilon": _epsilon_png(report), "training": _training_png(report)}
+    return {"epsilon": _epsilon_png(report)}
+
+
+def render_custodian_plots(custodian: Mapping[str, Any]) -> dict[str, bytes]:
+    """PNG bytes of the custodian report's figures: ``{"training": png}`` (loss, val curve)."""
+    return {"training": _training_png(custodian)}
 
 
 def _figure(width: float, height: float, **margins: float) -> Any:

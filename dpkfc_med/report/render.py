@@ -25,7 +25,10 @@ __all__ = [
     "DIAGNOSTICS_NOTE",
     "INCOMPLETE_NOTE",
     "NONPRIVATE_NOTE",
+    "audit_sentence",
+    "build_custodian_document",
     "build_document",
+    "render_custodian_markdown",
     "render_html",
     "render_markdown",
 ]
@@ -286,7 +289,7 @@ def preconditioner_statement(report: Mapping[str, Any]) -> str:
 
 def _headline_metrics(report: Mapping[str, Any]) -> str:
     for split in ("test", "val"):
-        values = report["metrics"].get(split)
+        values = (report.get("metrics") or {}).get(split)
         if isinstance(values, Mapping):
             scalars = [
                 f"{k} {_fmt(v)}"
@@ -317,18 +320,97 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
         doc.append(Banner("FAILED RUN", FAILED_NOTE, "warning"))
     if not p["private"]:
         doc.append(Banner("NO PRIVACY GUARANTEE", NONPRIVATE_NOTE.format(unit=unit), "danger"))
+    for text in p.get("headline_warnings") or []:
+        invalid = text.startswith("NOT A VALID DP RELEASE")
+        doc.append(
+            Banner(
+                "NOT A VALID DP RELEASE" if invalid else "Accountants disagree",
+                text,
+                "danger" if invalid else "warning",
+            )
+        )
     doc += _summary(report)
     doc += _guarantee(report)
+    doc += _audit(report)
+    doc += _not_covered(report)
     doc += _mechanism(report)
     doc += _preconditioner(report)
     doc += _data(report)
     doc += _model(report)
-    doc += _results(report)
     doc += _curves(report)
-    doc += _diagnostics(report)
     doc += [Heading(2, "Hyperparameter tuning"), Paragraph(p["hyperparameter_tuning"])]
     doc += _reproducibility(report)
     return doc
+
+
+def audit_sentence(report: Mapping[str, Any]) -> str | None:
+    """The empirical audit's lower bound next to the accounted epsilon, or ``None``."""
+    audit = report.get("audit")
+    if not isinstance(audit, Mapping):
+        return None
+    return (
+        f"empirical lower bound {format_epsilon(audit['epsilon_lower_bound'])} against the "
+        f"accounted {format_epsilon(audit['epsilon_accounted'])} (one-run canary audit, "
+        f"{audit['canaries']} canaries, confidence {audit['confidence']:g})"
+    )
+
+
+def _audit(report: Mapping[str, Any]) -> list[Block]:
+    audit = report.get("audit")
+    if not isinstance(audit, Mapping):
+        return []
+    rows: list[tuple[Inline, Any]] = [
+        ("Epsilon lower bound (empirical)", format_epsilon(audit["epsilon_lower_bound"])),
+        ("Epsilon accounted", format_epsilon(audit["epsilon_accounted"])),
+        ("delta", format_delta(audit["delta"])),
+        ("Canaries", audit["canaries"]),
+        ("Confidence", audit["confidence"]),
+    ]
+    rows += [
+        (k.replace("_", " ").capitalize(), v)
+        for k, v in audit.items()
+        if k not in ("epsilon_lower_bound", "epsilon_accounted", "delta", "canaries", "confidence")
+        and not isinstance(v, (Mapping, list))
+    ]
+    return [
+        Heading(2, "Empirical privacy audit"),
+        Paragraph(
+            "A one-run audit (Steinke, Nasr and Jagielski 2023) ran this mechanism with "
+            "white-box gradient canaries, each included with probability 1/2, and turned the "
+            "correct membership guesses into a statistical lower bound on epsilon. A lower bound "
+            "below the accounted epsilon is expected; one above it would show a broken mechanism."
+        ),
+        _kv(rows),
+    ]
+
+
+def _not_covered(report: Mapping[str, Any]) -> list[Block]:
+    p = report["privacy"]
+    items = p.get("not_covered") or []
+    out: list[Block] = [Heading(2, "What the guarantee does not cover")]
+    out += [Paragraph(("- ", item)) for item in items]
+    cust = report.get("custodian") or {}
+    if cust:
+        out.append(Banner("Custodian only", cust["note"], "note"))
+        rows = [(Span(k), v) for k, v in (cust.get("items") or {}).items()]
+        if rows:
+            out.append(Table(("Kept in the custodian report", "What it is"), rows))
+    plans = p.get("plan_history") or []
+    if len(plans) > 1:
+        out.append(Heading(3, "Sessions and plans"))
+        records = [
+            {
+                "session": e.get("session"),
+                "kind": e.get("kind"),
+                "changed": ", ".join(e.get("changed_fields") or []) or "-",
+                "planned_steps": (e.get("plan") or {}).get("planned_steps"),
+                "spent_before": (e.get("plan") or {}).get("spent_steps"),
+                "sigma": (e.get("plan") or {}).get("noise_multiplier"),
+            }
+            for e in plans
+        ]
+        out.append(_records_table(records))
+    return out
 
 
 def _steps_text(p: Mapping[str, Any]) -> str:
@@ -359,9 +441,18 @@ def _summary(report: Mapping[str, Any]) -> list[Block]:
         ("Steps", _steps_text(p)),
         ("Task", f"{task['kind']}, {task['spatial_dims']}D, {task['num_classes']} classes{names}"),
         ("Model", f"{model['name']} ({_count(model['num_params'])} parameters)"),
-        ("Results", _headline_metrics(report)),
+        (
+            "Results",
+            "in the custodian report (computed on private data without noise; not covered)",
+        ),
         ("Report created", report["created"]),
     ]
+    audit = audit_sentence(report)
+    if audit is not None:
+        rows.insert(2, ("Empirical privacy audit", audit))
+    note = data.get("unit_note")
+    if isinstance(note, Mapping) and note.get("statement"):
+        rows.insert(4, ("Patients with several images", note["statement"]))
     return [Heading(2, "Summary"), _kv(rows)]
 
 
@@ -385,13 +476,7 @@ def _guarantee(report: Mapping[str, Any]) -> list[Block]:
         rows.append(("Target epsilon", format_epsilon(p["target_epsilon"])))
     rows += [
         ("Sampling", _sampling(p)),
-        (
-            "Noise and sampling randomness",
-            "cryptographically secure generator (secure_rng = true)"
-            if p["secure_rng"]
-            else "PyTorch's pseudo-random generator (secure_rng = false); the guarantee assumes "
-            "ideal randomness",
-        ),
+        ("Noise and sampling randomness", _randomness(p)),
     ]
     out.append(_kv(rows))
     if p["private"]:
@@ -412,6 +497,24 @@ def _guarantee(report: Mapping[str, Any]) -> list[Block]:
             )
         )
     return out
+
+
+def _randomness(p: Mapping[str, Any]) -> str:
+    source = (p.get("randomness") or {}).get("source")
+    if source == "os-csprng":
+        return "every draw from the OS CSPRNG (secure_rng = true), floating-point hardened"
+    if source == "os-entropy":
+        return (
+            "PyTorch's generator seeded from OS entropy; the seed is never written anywhere, so "
+            "nothing published lets anyone replay the noise (the guarantee assumes ideal "
+            "randomness)"
+        )
+    if source == "seeded":
+        return (
+            "SEEDED from the published training seed (reproducible_noise = true): the noise can "
+            "be replayed; NOT a valid DP release"
+        )
+    return "n/a"
 
 
 def _samples(n: int) -> str:
@@ -556,14 +659,11 @@ def _data(report: Mapping[str, Any]) -> list[Block]:
     out += [
         Heading(3, "Splits"),
         Table(("Split", "Samples"), [(k, _fmt(v)) for k, v in data["splits"].items()]),
+        Paragraph(
+            "The data's fingerprint, class counts and case split are in the custodian report: "
+            "a fingerprint would let anyone test whether a given dataset is the training set."
+        ),
     ]
-    out.append(Heading(3, "Fingerprints"))
-    if data["sha256"]:
-        out.append(
-            Table(("File", "SHA-256"), [(Span(f), Span(h)) for f, h in data["sha256"].items()])
-        )
-    else:
-        out.append(Paragraph("No file fingerprint was recorded."))
     return out
 
 
@@ -583,9 +683,9 @@ def _model(report: Mapping[str, Any]) -> list[Block]:
 
 def _results(report: Mapping[str, Any]) -> list[Block]:
     out: list[Block] = [Heading(2, "Results")]
-    labels = report["task"]["label_names"]
+    labels = (report.get("task") or {}).get("label_names")
     for split, title in (("val", "Validation"), ("test", "Test")):
-        values = report["metrics"].get(split)
+        values = (report.get("metrics") or {}).get(split)
         out.append(Heading(3, title))
         if not values:
             out.append(Paragraph("Not evaluated."))
@@ -595,22 +695,60 @@ def _results(report: Mapping[str, Any]) -> list[Block]:
 
 
 def _curves(report: Mapping[str, Any]) -> list[Block]:
-    out: list[Block] = [Heading(2, "Training curves")]
+    out: list[Block] = [Heading(2, "Training settings and privacy spent")]
     if report["training"]:
         out.append(_mapping_table(report["training"], "Setting"))
-    out += [
-        Image("epsilon", "Privacy spent (epsilon) against training step"),
-        Image("training", "Training loss against step and validation metric against epoch"),
-    ]
+    out.append(Image("epsilon", "Privacy spent (epsilon) against training step"))
     return out
 
 
 def _diagnostics(report: Mapping[str, Any]) -> list[Block]:
     out: list[Block] = [Heading(2, "Diagnostics"), Banner("Note", DIAGNOSTICS_NOTE, "note")]
-    diagnostics = report["diagnostics"]
+    diagnostics = report.get("diagnostics")
     if not diagnostics:
         return [*out, Paragraph("No diagnostics were recorded.")]
     return out + _nested_blocks(diagnostics, None)
+
+
+def build_custodian_document(custodian: Mapping[str, Any]) -> list[Block]:
+    """The custodian report (un-noised statistics of the private records) as blocks."""
+    run = custodian.get("run") or {}
+    doc: list[Block] = [
+        Heading(1, f"Custodian report (private, not for release): {run.get('name')}"),
+        Banner("PRIVATE - NOT FOR RELEASE", custodian["banner"], "danger"),
+    ]
+    doc += _results(custodian)
+    doc += [
+        Heading(2, "Training curves"),
+        Image("training", "Training loss against step and validation metric against epoch"),
+    ]
+    training = custodian.get("training") or {}
+    if training:
+        doc.append(_mapping_table(training, "Setting"))
+    doc += _diagnostics(custodian)
+    data = custodian.get("data") or {}
+    doc.append(Heading(2, "Private data"))
+    if data.get("sha256"):
+        doc.append(
+            Table(("File", "SHA-256"), [(Span(f), Span(h)) for f, h in data["sha256"].items()])
+        )
+    if data.get("class_counts"):
+        doc += _nested_blocks({"class_counts": data["class_counts"]}, None)
+    if data.get("split"):
+        rows = [(k, ", ".join(map(str, v))) for k, v in data["split"].items()]
+        doc.append(Table(("Split", "Case ids"), rows))
+    files = custodian.get("files") or {}
+    if files:
+        doc += [
+            Heading(2, "Files in this folder"),
+            Table(("File", "What it holds"), [(Span(k), v) for k, v in files.items()]),
+        ]
+    return doc
+
+
+def render_custodian_markdown(custodian: Mapping[str, Any]) -> str:
+    """The custodian report as Markdown (figures linked as ``plots/<name>.png`` beside it)."""
+    return "\n\n".join(_md_block(b) for b in build_custodian_document(custodian)) + "\n"
 
 
 def _reproducibility(report: Mapping[str, Any]) -> list[Block]:
@@ -682,7 +820,7 @@ def _md_block(block: Block) -> str:
         lines += ["| " + " | ".join(_md_inline(c, True) for c in row) + " |" for row in block.rows]
         return "\n".join(lines)
     if isinstance(block, Image):
-        return f"![{block.caption}]({PLOT_FILES[block.key]})"
+        return f"![{block.caption}]({PLOT_FILES.get(block.key, f'plots/{block.key}.png')})"
     return f"```{block.language}\n{block.text}\n```"
 
 

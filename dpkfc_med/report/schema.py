@@ -1,4 +1,4 @@
-"""The privacy report contract (schema ``dpkfc_med.privacy_report/1``) and its validator.
+"""The privacy report contract (schema ``dpkfc_med.privacy_report/2``) and its validator.
 
 The report is a plain, JSON-serialisable dict built by the training pipeline. Validation is
 hand-written (no ``jsonschema`` dependency) so that every problem reads as
@@ -6,24 +6,30 @@ hand-written (no ``jsonschema`` dependency) so that every problem reads as
 
 Layout (version 1; keys not listed are allowed and kept)::
 
-    schema: "dpkfc_med.privacy_report/1"
+    schema: "dpkfc_med.privacy_report/2"
     status: "complete" | "incomplete" | "failed"
     created: ISO-8601 date-time
     run: {name, run_dir, config_sha256, config, seed, device}
     task: {kind, spatial_dims, num_classes, label_names}
-    data: {path, sha256, splits, num_train_units, privacy_unit, max_samples_per_unit}
+    data: {path, splits, num_train_units, privacy_unit, max_samples_per_unit}
     model: {name, num_params, fixes}
     privacy: {method, private, accountant, epsilon, target_epsilon, delta, sampler,
               sample_rate, expected_batch_size, noise_multiplier, max_grad_norm, steps,
-              planned_steps, epochs, secure_rng, neighbouring_relation, guarantee,
-              hyperparameter_tuning, ledger}
+              planned_steps, epochs, secure_rng, randomness, neighbouring_relation, guarantee,
+              hyperparameter_tuning, not_covered, ledger}
     preconditioner: null | {uses_private_data, external_data, probe_source, refresh_every,
                             refreshes, covered_layers, config, coverage}
     training: {...}
-    history: {step, epsilon, loss, val_epoch, val_metric, val_metric_name}
-    metrics: {val, test}
-    diagnostics: null | {...}
+    history: {step, epsilon, val_metric_name}
+    custodian: {path, report, items, note}   what is kept in the custodian report instead
+    audit: optional {epsilon_lower_bound, epsilon_accounted, delta, canaries, confidence, ...}
     environment: {python, packages, git, ...}
+
+This is the *shareable* report: it must not hold any field of
+:data:`~dpkfc_med.report.custodian.CUSTODIAN_ONLY` (un-noised statistics of the private
+records: training losses, metrics, diagnostics, class counts, fingerprints, case splits); the
+validator refuses them. They live in the custodian report (``dpkfc_med.custodian_report/1``,
+:func:`validate_custodian_report`) under ``private_not_for_release/``.
 
 Privacy-relevant fields (``privacy.*``, ``preconditioner.uses_private_data``) are checked
 strictly, including their consistency with ``privacy.method``; display-only fields
@@ -51,10 +57,11 @@ __all__ = [
     "ReportSchemaError",
     "check_report",
     "to_json_data",
+    "validate_custodian_report",
     "validate_report",
 ]
 
-REPORT_SCHEMA = "dpkfc_med.privacy_report/1"
+REPORT_SCHEMA = "dpkfc_med.privacy_report/2"
 """Schema id written into (and required of) every report."""
 
 STATUSES = ("complete", "incomplete", "failed")
@@ -337,7 +344,6 @@ _TASK = _fields(
 _DATA = _fields(
     {
         "path": _string,
-        "sha256": _mapping_of(_sha256, "a mapping file -> SHA-256 digest"),
         "splits": _mapping_of(_integer(0), "a mapping split -> number of samples"),
         "num_train_units": _integer(1),
         "privacy_unit": _string,
@@ -355,9 +361,6 @@ _HISTORY = _fields(
     {
         "step": _list_of(_integer(0), "a list of integers"),
         "epsilon": _list_of(_curve_value, "a list of numbers"),
-        "loss": _list_of(_curve_value, "a list of numbers"),
-        "val_epoch": _list_of(_integer(0), "a list of integers"),
-        "val_metric": _list_of(_curve_value, "a list of numbers"),
         "val_metric_name": _string,
     }
 )
@@ -398,6 +401,13 @@ _PRIVACY_COMMON: dict[str, Check] = {
     "guarantee": _string,
     "hyperparameter_tuning": _string,
     "ledger": _mapping,
+    "randomness": _fields(
+        {
+            "source": _one_of("os-entropy", "os-csprng", "seeded", "none"),
+            "valid_dp_release": _boolean,
+        }
+    ),
+    "not_covered": _list_of(_string, "a list of sentences"),
 }
 _FOR_PRIVATE = " for a private run"
 _PRIVACY_PRIVATE: dict[str, Check] = {
@@ -509,19 +519,13 @@ def _check_history(history: Any, private: bool, problems: list[str]) -> None:
         return len(value) if isinstance(value, (list, tuple)) else None
 
     steps = length("step")
-    for key in ("loss", "epsilon"):
+    for key in ("epsilon",):
         n = length(key)
         if steps is not None and n is not None and n != steps and not (key == "epsilon" and n == 0):
             allowed = "the length of history.step" + (" or be empty" if key == "epsilon" else "")
             problems.append(f"history.{key}: must have {allowed} ({steps}), has {n}")
     if not private and length("epsilon"):
         problems.append("history.epsilon: must be empty for a non-private run")
-    epochs, values = length("val_epoch"), length("val_metric")
-    if epochs is not None and values is not None and epochs != values:
-        problems.append(
-            f"history.val_metric: must have the length of history.val_epoch ({epochs}), "
-            f"has {values}"
-        )
 
 
 def _check_task(task: Any, problems: list[str]) -> None:
@@ -579,16 +583,80 @@ def validate_report(report: Any) -> list[str]:
         ("preconditioner", lambda v: _check_preconditioner(data, problems)),
         ("training", lambda v: _mapping(v, "training", problems)),
         ("history", lambda v: _check_history(v, private, problems)),
-        ("metrics", lambda v: _check_metrics(v, problems)),
-        ("diagnostics", lambda v: _nullable(_mapping)(v, "diagnostics", problems)),
+        ("custodian", lambda v: _CUSTODIAN(v, "custodian", problems)),
         ("environment", lambda v: _ENVIRONMENT(v, "environment", problems)),
     ]
     for key, check in sections:
         if key not in data:
-            hint = " (null when there is none)" if key in ("preconditioner", "diagnostics") else ""
+            hint = " (null when there is none)" if key == "preconditioner" else ""
             problems.append(f"{key}: missing{hint}")
         else:
             check(data[key])
+    _check_shareable(data, problems)
+    if "audit" in data:
+        _AUDIT(data["audit"], "audit", problems)
+    return problems
+
+
+_CUSTODIAN = _fields({"path": _string, "report": _string, "items": _mapping, "note": _string})
+_AUDIT = _fields(
+    {
+        "epsilon_lower_bound": _number(0),
+        "epsilon_accounted": _number(0),
+        "delta": _number(0, 1, low_open=True, high_open=True),
+        "canaries": _integer(1),
+        "confidence": _number(0, 1, low_open=True, high_open=True),
+    }
+)
+
+
+def _check_shareable(data: Mapping[str, Any], problems: list[str]) -> None:
+    """The shareable report must hold no un-noised private statistic (custodian-only field)."""
+    from dpkfc_med.report.custodian import CUSTODIAN_ONLY
+
+    for dotted, what in CUSTODIAN_ONLY.items():
+        node: Any = data
+        for part in dotted.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+        if node is not _ABSENT:
+            problems.append(
+                f"{dotted}: must not be in the shareable report ({what}: computed from private "
+                "records without noise); it belongs in the custodian report "
+                "(dpkfc_med.report.split_report)"
+            )
+
+
+_ABSENT = object()
+
+
+def validate_custodian_report(report: Any) -> list[str]:
+    """Every problem of a custodian report (schema ``dpkfc_med.custodian_report/1``)."""
+    from dpkfc_med.report.custodian import CUSTODIAN_SCHEMA
+
+    data, problems = to_json_data(report)
+    if not isinstance(data, Mapping):
+        return [f"<custodian report>: must be a mapping, got {_kind(data)}"]
+    if data.get("schema") != CUSTODIAN_SCHEMA:
+        problems.append(f"schema: must be {CUSTODIAN_SCHEMA!r}, got {_kind(data.get('schema'))}")
+    _string(data.get("banner"), "banner", problems)
+    history = data.get("history")
+    if not isinstance(history, Mapping):
+        problems.append("history: must be a mapping")
+    else:
+        steps, loss = history.get("step", []), history.get("loss", [])
+        if isinstance(steps, list) and isinstance(loss, list) and len(loss) != len(steps):
+            problems.append(
+                f"history.loss: must have the length of history.step ({len(steps)}), "
+                f"has {len(loss)}"
+            )
+        epochs, values = history.get("val_epoch", []), history.get("val_metric", [])
+        if isinstance(epochs, list) and isinstance(values, list) and len(epochs) != len(values):
+            problems.append(
+                f"history.val_metric: must have the length of history.val_epoch ({len(epochs)}), "
+                f"has {len(values)}"
+            )
+    _check_metrics(data.get("metrics"), problems)
+    _nullable(_mapping)(data.get("diagnostics"), "diagnostics", problems)
     return problems
 
 

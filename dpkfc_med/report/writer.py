@@ -2,11 +2,17 @@
 
 Files in the run directory (paths relative to it)::
 
-    privacy_report.json     the record (schema dpkfc_med.privacy_report/1); the source of truth
+    privacy_report.json     the record (schema dpkfc_med.privacy_report/2); the source of truth
     privacy_report.md       human-readable; links plots/*.png
     privacy_report.html     self-contained (figures inlined), for e-mail or an archive
     plots/epsilon.png       epsilon against step
-    plots/training.png      training loss against step, validation metric against epoch
+
+    private_not_for_release/custodian_report.json   un-noised statistics (not covered)
+    private_not_for_release/custodian_report.md     their human-readable view
+    private_not_for_release/plots/training.png      training loss and validation curves
+
+The first four files are the shareable part (with the model); the custodian files must not
+leave the data custodian (:mod:`dpkfc_med.report.custodian`).
 
 The JSON is written first and every file is replaced atomically, so an interrupted write
 leaves either the old or the new version, and the views can always be rebuilt from the JSON
@@ -22,9 +28,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dpkfc_med.report.plots import PLOT_FILES, render_plots
-from dpkfc_med.report.render import render_html, render_markdown
-from dpkfc_med.report.schema import ReportSchemaError, check_report, to_json_data
+from dpkfc_med.report.custodian import CUSTODIAN_FILES
+from dpkfc_med.report.plots import PLOT_FILES, render_custodian_plots, render_plots
+from dpkfc_med.report.render import render_custodian_markdown, render_html, render_markdown
+from dpkfc_med.report.schema import (
+    ReportSchemaError,
+    check_report,
+    to_json_data,
+    validate_custodian_report,
+)
 
 __all__ = ["REPORT_FILES", "load_report", "rerender", "write_report"]
 
@@ -61,7 +73,12 @@ def _atomic_write(path: Path, payload: bytes) -> None:
         raise
 
 
-def write_report(report: Mapping[str, Any], run_dir: str | Path) -> dict[str, Path]:
+def write_report(
+    report: Mapping[str, Any],
+    run_dir: str | Path,
+    *,
+    custodian: Mapping[str, Any] | None = None,
+) -> dict[str, Path]:
     """Validate ``report`` and write the JSON record, figures, Markdown and HTML.
 
     Args:
@@ -70,24 +87,53 @@ def write_report(report: Mapping[str, Any], run_dir: str | Path) -> dict[str, Pa
             infinities outside the privacy fields (a diverged loss, the AUROC of a one-class
             split) are stored as ``null``.
         run_dir: The run directory; created if needed.
+        custodian: the custodian report (:func:`~dpkfc_med.report.split_report`), written
+            under ``private_not_for_release/``.
 
     Returns:
         The paths written, keyed like :data:`REPORT_FILES` (``"json"``, ``"markdown"``,
-        ``"html"``, ``"epsilon_plot"``, ``"training_plot"``).
+        ``"html"``, ``"epsilon_plot"``), plus ``"custodian_json"``, ``"custodian_markdown"``
+        and ``"custodian_training_plot"`` with a custodian report.
 
     Raises:
         ReportSchemaError: listing every problem; nothing is written then.
     """
     check_report(report)
-    data, problems = to_json_data(report, finite=True)
-    if problems:  # pragma: no cover - check_report has reported these already
-        raise ReportSchemaError(problems)
-    text = json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    problems = validate_custodian_report(custodian) if custodian is not None else []
+    if problems:
+        raise ReportSchemaError([f"custodian report: {p}" for p in problems])
     run_dir = Path(run_dir)
+    written: dict[str, Path] = {}
+    if custodian is not None:
+        ctext = _json_text(custodian)
+        cpath = run_dir / CUSTODIAN_FILES["json"]
+        _atomic_write(cpath, ctext.encode("utf-8"))
+        written["custodian_json"] = cpath
+        written.update(_write_custodian_views(json.loads(ctext), run_dir))
+    text = _json_text(report)
     json_path = run_dir / REPORT_FILES["json"]
     _atomic_write(json_path, text.encode("utf-8"))
     # Render from the JSON as stored, so rerender() reproduces these files exactly.
-    return {"json": json_path, **_write_views(json.loads(text), run_dir)}
+    return {"json": json_path, **_write_views(json.loads(text), run_dir), **written}
+
+
+def _json_text(report: Mapping[str, Any]) -> str:
+    data, problems = to_json_data(report, finite=True)
+    if problems:  # pragma: no cover - the validators have reported these already
+        raise ReportSchemaError(problems)
+    return json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def _write_custodian_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, Path]:
+    written: dict[str, Path] = {}
+    for key, png in render_custodian_plots(data).items():
+        path = run_dir / CUSTODIAN_FILES[f"{key}_plot"]
+        _atomic_write(path, png)
+        written[f"custodian_{key}_plot"] = path
+    path = run_dir / CUSTODIAN_FILES["markdown"]
+    _atomic_write(path, render_custodian_markdown(data).encode("utf-8"))
+    written["custodian_markdown"] = path
+    return written
 
 
 def _write_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, Path]:
@@ -140,4 +186,9 @@ def rerender(run_dir: str | Path) -> dict[str, Path]:
     """
     run_dir = Path(run_dir)
     data = load_report(run_dir)
-    return {"json": run_dir / REPORT_FILES["json"], **_write_views(data, run_dir)}
+    out = {"json": run_dir / REPORT_FILES["json"], **_write_views(data, run_dir)}
+    cpath = run_dir / CUSTODIAN_FILES["json"]
+    if cpath.is_file():
+        out["custodian_json"] = cpath
+        out.update(_write_custodian_views(json.loads(cpath.read_text(encoding="utf-8")), run_dir))
+    return out

@@ -90,6 +90,15 @@ class DataConfig:
             bilinear / trilinear) before the network; probes are drawn at the same size. Use it
             when a network downsamples more than the file's size allows (DenseNet121 needs at
             least 32x32; MedMNIST files are 28x28).
+        unit_ids: classification: a CSV mapping every training image to its patient (or study)
+            id, header ``index,unit_id`` (``index``: 0-based row of ``train_images`` in the
+            ``.npz``). The patient becomes the privacy unit: Poisson sampling draws patients
+            and a patient's images are clipped together. Without it, a ``train_unit_ids``
+            array inside the ``.npz`` is used if present, else the unit is one image. See
+            :mod:`dpkfc_med.data.units` for the formats.
+        num_classes: classification: the declared number of classes; labels outside
+            ``0..num_classes-1`` are refused (default: ``medmnist.INFO`` for a MedMNIST file
+            name, else the largest label + 1).
     """
 
     path: str = ""
@@ -103,6 +112,8 @@ class DataConfig:
     patches_per_unit: int = 1
     spacing: list[float] | None = None
     resize: list[int] | None = None
+    unit_ids: str | None = None
+    num_classes: int | None = None
 
 
 @dataclass
@@ -124,7 +135,13 @@ class PrivacyConfig:
         max_grad_norm: clip norm ``C``.
         noise_multiplier: ``null`` = calibrated to the target; a number is checked against it.
         accountant: ``prv`` (primary) or ``rdp``.
-        secure_rng: OS CSPRNG for sampling and noise (production; no seed).
+        secure_rng: draw every sampling decision and noise value from the OS CSPRNG
+            (``os.urandom``; slower). Off (default): PyTorch generators seeded once from OS
+            entropy, a seed that is never written anywhere.
+        reproducible_noise: research only: seed the noise and the Poisson sampler from
+            ``training.seed``. Anyone who knows the seed (it is in the config and the report)
+            can replay the noise, so such a run is NOT a valid DP release and its report says
+            so in its headline.
     """
 
     target_epsilon: float = 1.0
@@ -133,6 +150,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     accountant: str = "prv"
     secure_rng: bool = False
+    reproducible_noise: bool = False
 
 
 @dataclass
@@ -163,7 +181,16 @@ class TrainingConfig:
 
 @dataclass
 class ProbeConfig:
-    """Synthetic probes (dp-kfc) or the public proxy (dp-kfc-public)."""
+    """Synthetic probes (dp-kfc) or the public proxy (dp-kfc-public).
+
+    Attributes:
+        public_data: dp-kfc-public: the public MedMNIST-format ``.npz`` whose training images
+            are the probes.
+        allow_public_overlap: dp-kfc-public: run even when the public proxy shares images with
+            the private training split (or is the same MedMNIST dataset); the preconditioner
+            then depends on private data, which the report states, and the guarantee does not
+            cover it. Default: refused.
+    """
 
     preset: str = "natural"
     alpha: float | None = None
@@ -173,6 +200,7 @@ class ProbeConfig:
     target: str = "uniform"
     seed: int = 0
     public_data: str | None = None
+    allow_public_overlap: bool = False
 
 
 @dataclass
@@ -331,6 +359,11 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
     d = cfg.privacy.delta
     if d is not None and not (isinstance(d, float) and 0 < d < 1):
         problems.append(f"privacy.delta={d!r}: must be in (0, 1), e.g. 1e-5")
+    if cfg.privacy.secure_rng is True and cfg.privacy.reproducible_noise is True:
+        problems.append(
+            "privacy.reproducible_noise=true contradicts privacy.secure_rng=true: replayable "
+            "noise cannot come from the OS CSPRNG; turn one of them off"
+        )
     nm = cfg.privacy.noise_multiplier
     if nm is not None and isinstance(nm, float) and not nm > 0:
         problems.append(f"privacy.noise_multiplier={nm!r}: must be > 0 (or null to calibrate)")

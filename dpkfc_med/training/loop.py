@@ -15,6 +15,7 @@ ledger's, which is never behind) and re-raises.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime as _dt
@@ -23,8 +24,12 @@ import logging
 import math
 import os
 import random
+import signal
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,18 +46,28 @@ from dpkfc_med.models import (
     make_private_compatible,
     validate_private_compatible,
 )
-from dpkfc_med.privacy.accounting import (
-    GaussianSteps,
-    PrivacyLedger,
-    calibrate_noise_multiplier,
-    epsilon_for,
-)
+from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.privacy.adambc import DPAdamBC, noise_variance_of
 from dpkfc_med.privacy.engine import PrivacyEngine
-from dpkfc_med.training.config import ConfigError, Method, RunConfig
+from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.numbers import format_epsilon
+from dpkfc_med.training.config import ConfigError, Method, RunConfig, config_from_dict
+from dpkfc_med.training.plan import (
+    PlanError,
+    config_changes,
+    describe_plan,
+    plan_privacy,
+    resume_replans,
+)
 from dpkfc_med.training.tasks import Task, build_task
 
-__all__ = ["PlanError", "RunResult", "plan_privacy", "train"]
+__all__ = ["PlanError", "RunInterrupted", "RunResult", "plan_privacy", "train"]
+
+CHECKPOINT = "checkpoint.pt"
+LEDGER = "ledger.json"
+RUN_JSON = "run.json"
+PLAN_JSON = "plan.json"
+CONFIG_HISTORY = "config_history.yaml"
 
 log = logging.getLogger("dpkfc_med")
 
@@ -72,10 +87,6 @@ TUNING = (
 )
 
 
-class PlanError(ValueError):
-    """The privacy plan is impossible or exceeds the target."""
-
-
 @dataclass
 class RunResult:
     """What a finished run returns."""
@@ -85,6 +96,7 @@ class RunResult:
     epsilon: float | None
     metrics: dict[str, Any] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    custodian: dict[str, Any] = field(default_factory=dict)
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -131,60 +143,6 @@ def _device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(["training.device=cuda: no CUDA device is available; use cpu or auto"])
     return torch.device(name)
-
-
-def plan_privacy(cfg: RunConfig, num_units: int, steps_per_epoch: int) -> dict[str, Any]:
-    """The privacy plan: delta, sample rate, planned steps and the noise multiplier.
-
-    Raises:
-        PlanError: the target cannot be met (naming the field and the fix), or a given noise
-            multiplier would exceed the target.
-    """
-    p = cfg.privacy
-    q = 1.0 / steps_per_epoch
-    steps = int(cfg.training.epochs * steps_per_epoch)
-    delta = p.delta if p.delta is not None else min(1e-5, 1.0 / num_units)
-    if delta > 1.0 / num_units:
-        raise PlanError(
-            f"privacy.delta={delta:g} exceeds 1/N = {1.0 / num_units:.3g} for N={num_units} "
-            "training units; such a delta permits leaking a whole record: use delta <= 1/N"
-        )
-    if p.noise_multiplier is not None:
-        eps = epsilon_for([GaussianSteps(q, p.noise_multiplier, steps)], delta, p.accountant)
-        if eps > p.target_epsilon:
-            raise PlanError(
-                f"the plan ({steps} steps at sample rate {q:.4g}, noise_multiplier "
-                f"{p.noise_multiplier}) spends epsilon {eps:.3f} > privacy.target_epsilon="
-                f"{p.target_epsilon}; raise the noise multiplier, train fewer epochs, or set "
-                "privacy.noise_multiplier: null to calibrate it"
-            )
-        sigma = p.noise_multiplier
-    else:
-        try:
-            sigma = calibrate_noise_multiplier(
-                target_epsilon=p.target_epsilon,
-                delta=delta,
-                sample_rate=q,
-                steps=steps,
-                accountant=p.accountant,
-            )
-        except Exception as err:  # Opacus raises a bare ValueError when no sigma fits
-            raise PlanError(
-                f"no noise multiplier reaches privacy.target_epsilon={p.target_epsilon} at "
-                f"delta={delta:g} with {steps} steps at sample rate {q:.4g} ({err}); raise the "
-                "target epsilon, lower training.epochs or training.batch_size"
-            ) from None
-        if sigma > 1e3:
-            raise PlanError(
-                f"privacy.target_epsilon={p.target_epsilon} needs noise multiplier {sigma:.3g}: "
-                "the updates would be pure noise; raise the target epsilon or use more data"
-            )
-    return {
-        "delta": delta,
-        "sample_rate": q,
-        "planned_steps": steps,
-        "noise_multiplier": float(sigma),
-    }
 
 
 def _build_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, Any]]]:
@@ -239,16 +197,24 @@ def train(
     data_path: str | None = None,
     resume: bool = False,
     stop_after_epochs: int | None = None,
+    instrument: Callable[[PrivacyEngine, Any], None] | None = None,
 ) -> RunResult:
     """Run the configured training end to end and write the run directory.
 
     Args:
         cfg: the validated configuration.
         data_path: override of ``cfg.data.path``.
-        resume: continue an interrupted run in ``cfg.run_dir()`` from its last checkpoint;
-            the ledger continues exactly (steps spent after the checkpoint stay spent).
+        resume: continue the run in ``cfg.run_dir()``: from its last checkpoint, or -- when it
+            stopped before the first one -- from the initial model with the spent steps carried
+            in the ledger. The plan continues exactly unless ``training.epochs`` or
+            ``privacy.noise_multiplier`` changed; then the remaining steps are re-planned so
+            that the whole ledger stays within the target (:mod:`.plan`). Other changes are
+            refused.
         stop_after_epochs: stop (as if interrupted) after this many epochs of this session;
             used by tests and by users who train in slices.
+        instrument: called once as ``instrument(engine, private_optimizer)`` after the
+            mechanism is wired and before the first step (private methods only); the
+            empirical privacy audit uses it to add its canaries to the exact mechanism.
 
     Returns:
         :class:`RunResult` with the status, epsilon and final metrics.
@@ -267,28 +233,14 @@ def train(
         raise PlanError("the training split is empty")
     batch = min(cfg.training.batch_size, n_units)
     steps_per_epoch = max(1, math.ceil(n_units / batch))
-    plan = plan_privacy(cfg, n_units, steps_per_epoch) if method.private else None
     run_dir = cfg.run_dir()
-    ckpt_path = run_dir / "checkpoint.pt"
-    if resume and not ckpt_path.is_file():
-        raise ConfigError(
-            [f"--resume: no checkpoint at {ckpt_path}; start the run without --resume"]
-        )
-    if not resume and (run_dir / "run.json").is_file():
-        status = json.loads((run_dir / "run.json").read_text()).get("status")
-        raise ConfigError(
-            [
-                f"output.dir: {run_dir} already holds a run (status {status!r}); pass --resume to "
-                "continue it or choose another --out"
-            ]
-        )
+    opening = _open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)
+    plan = opening.plan
     # ---------------------------------------------------------------- 2. start the run
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(run_dir / "run.json", {"status": "incomplete", "started": _now(), "name": cfg.name})
-    _atomic_write_bytes(
-        run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()
-    )
+    _start_run_files(cfg, task, run_dir, opening)
     _setup_logging(run_dir)
+    if plan is not None:
+        log.info("privacy plan (%s): %s", opening.kind, describe_plan(plan))
     state = _Run(cfg, task, run_dir, device)
     optimizer = _make_optimizer(cfg, model)
     train_loader = DataLoader(
@@ -302,16 +254,13 @@ def train(
     pmodel: nn.Module = model
     popt: Any = optimizer
     loader: Any = train_loader
-    ledger_path = run_dir / "ledger.json"
+    ckpt_path, ledger_path = run_dir / CHECKPOINT, run_dir / LEDGER
     if method.private:
         assert plan is not None
         engine = PrivacyEngine(
             accountant=cfg.privacy.accountant,
             secure_mode=cfg.privacy.secure_rng,
-            seed=None if cfg.privacy.secure_rng else cfg.training.seed,
-        )
-        previous: PrivacyLedger | None = (
-            PrivacyLedger.load(ledger_path) if resume and ledger_path.is_file() else None
+            seed=cfg.training.seed if cfg.privacy.reproducible_noise else None,
         )
         kw: dict[str, Any] = {}
         if method.preconditioned:
@@ -332,7 +281,7 @@ def train(
             delta=plan["delta"],
             method="dp-sgd" if method is Method.DP_SGD else "dp-kfc",
             max_steps=plan["planned_steps"],
-            ledger_path=None if resume else ledger_path,
+            ledger_path=None if opening.previous is not None else ledger_path,
             **kw,
         )
         plan_r = engine.refresh_plan
@@ -354,47 +303,273 @@ def train(
                 group["noise_variance"] = phi
                 group["gamma"] = gamma if gamma is not None else (phi if phi > 0 else 1e-8)
             log.info("DP-AdamBC: noise variance (sigma C / B)^2 = %.3g subtracted", phi)
-        if resume:
-            _restore(state, ckpt_path, model, popt, engine, previous, ledger_path)
+        if opening.kind == "checkpoint":
+            _restore(state, ckpt_path, model, popt, engine, opening.previous, ledger_path)
+        elif opening.previous is not None:  # ledger only: initial model, spent steps carried
+            _carry_ledger(engine, popt, opening.previous, ledger_path)
         else:
             engine.ledger.save()  # type: ignore[union-attr]
-    elif resume:
+        if instrument is not None:
+            instrument(engine, popt)
+    elif opening.kind == "checkpoint":
         _restore(state, ckpt_path, model, popt, None, None, ledger_path)
     # ---------------------------------------------------------------- 3. train
     status = "incomplete"
     try:
-        epochs_this_session = 0
-        while state.epoch < cfg.training.epochs:
-            if engine is not None and popt.steps_taken >= plan["planned_steps"]:  # type: ignore[index]
-                break
-            _train_epoch(state, pmodel, popt, loader, engine)
-            state.epoch += 1
-            epochs_this_session += 1
-            metric = task.evaluate(model, "val", device, cfg.training.eval_batch_size)
-            value = metric.get(task.selection_metric, float("nan"))
-            state.history["val_epoch"].append(state.epoch)
-            state.history["val_metric"].append(value)
-            log.info("epoch %d: val %s = %.4f", state.epoch, task.selection_metric, value)
-            if not (value <= state.best["metric"]):  # nan-safe: first epoch always selected
-                state.best = {
-                    "epoch": state.epoch,
-                    "metric": value,
-                    "state": copy.deepcopy(model.state_dict()),
-                }
-            _checkpoint(state, ckpt_path, model, popt, engine)
-            if stop_after_epochs is not None and epochs_this_session >= stop_after_epochs:
-                break
-        else:
-            status = "complete"
+        with _sigterm_as_interrupt():
+            epochs_this_session = 0
+            while state.epoch < cfg.training.epochs:
+                if engine is not None and popt.steps_taken >= plan["planned_steps"]:  # type: ignore[index]
+                    break
+                _train_epoch(state, pmodel, popt, loader, engine)
+                state.epoch += 1
+                epochs_this_session += 1
+                metric = task.evaluate(model, "val", device, cfg.training.eval_batch_size)
+                value = metric.get(task.selection_metric, float("nan"))
+                state.history["val_epoch"].append(state.epoch)
+                state.history["val_metric"].append(value)
+                log.info("epoch %d: val %s = %.4f", state.epoch, task.selection_metric, value)
+                if not (value <= state.best["metric"]):  # nan-safe: first epoch always selected
+                    state.best = {
+                        "epoch": state.epoch,
+                        "metric": value,
+                        "state": copy.deepcopy(model.state_dict()),
+                    }
+                _checkpoint(state, ckpt_path, model, popt, engine)
+                if stop_after_epochs is not None and epochs_this_session >= stop_after_epochs:
+                    break
         if state.epoch >= cfg.training.epochs or (
             engine is not None and popt.steps_taken >= plan["planned_steps"]  # type: ignore[index]
         ):
             status = "complete"
-    except (KeyboardInterrupt, Exception):  # incl. BudgetExhaustedError: report what was spent
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM: keep the model of the steps already paid for, then say so.
+        _checkpoint(state, ckpt_path, model, popt, engine, mid_epoch=True)
         _fill_epsilon(state, engine)
         _finish(state, model, engine, plan, fixes, "incomplete", evaluate=False)
+        raise RunInterrupted(_stopped_message(cfg, state, engine, "interrupted")) from None
+    except Exception:  # incl. BudgetExhaustedError: report what was spent
+        _fill_epsilon(state, engine)
+        _finish(state, model, engine, plan, fixes, "incomplete", evaluate=False)
+        print(_stopped_message(cfg, state, engine, "stopped by an error"), file=sys.stderr)
         raise
     return _finish(state, model, engine, plan, fixes, status, evaluate=status == "complete")
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Training was interrupted (Ctrl-C, SIGTERM); the message says what was spent, what next."""
+
+
+@dataclass
+class _Opening:
+    """How a run starts: fresh, from its checkpoint, or from its ledger alone."""
+
+    kind: str  # "start" | "checkpoint" | "ledger"
+    plan: dict[str, Any] | None
+    previous: PrivacyLedger | None = None
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+
+def _spent_text(run_dir: Path) -> str:
+    ledger_path = run_dir / LEDGER
+    if not ledger_path.is_file():
+        return "no privacy budget spent"
+    ledger = PrivacyLedger.load(ledger_path)
+    if ledger.steps == 0:
+        return "no noisy step taken yet"
+    eps = ledger.epsilon()
+    return f"{ledger.steps} noisy steps already spent, epsilon {format_epsilon(eps)} (PRV)"
+
+
+def _open_run(
+    cfg: RunConfig,
+    task: Task,
+    run_dir: Path,
+    resume: bool,
+    n_units: int,
+    steps_per_epoch: int,
+) -> _Opening:
+    """Decide how the run starts and with which plan; refuse anything that would overspend."""
+    private = cfg.method_enum.private
+    ckpt_path, ledger_path, run_json = run_dir / CHECKPOINT, run_dir / LEDGER, run_dir / RUN_JSON
+    exists = run_json.is_file() or ledger_path.is_file()
+    if not resume:
+        if exists:
+            status = json.loads(run_json.read_text()).get("status") if run_json.is_file() else None
+            raise ConfigError(
+                [
+                    f"output.dir: {run_dir} already holds a run (status {status!r}; "
+                    f"{_spent_text(run_dir)}); pass --resume to continue it within its budget, "
+                    "or choose another --out (a new run on the same data spends a new budget "
+                    "on top of this one)"
+                ]
+            )
+        plan = plan_privacy(cfg, n_units, steps_per_epoch) if private else None
+        return _Opening("start", plan)
+    if not exists and not ckpt_path.is_file():
+        raise ConfigError(
+            [
+                f"--resume: nothing to resume in {run_dir} (no {LEDGER}, no {CHECKPOINT}); start "
+                "the run without --resume"
+            ]
+        )
+    if run_json.is_file() and json.loads(run_json.read_text()).get("status") == "complete":
+        raise ConfigError(
+            [
+                f"--resume: the run in {run_dir} is already complete ({_spent_text(run_dir)}); "
+                "its model and report are final. Train more by starting a new run with --out "
+                "(it spends a new budget on the same data)"
+            ]
+        )
+    changes: list[tuple[str, Any, Any]] = []
+    original_path = run_dir / "config.yaml"
+    if original_path.is_file():
+        original = config_from_dict(yaml.safe_load(original_path.read_text()), str(original_path))
+        changes = config_changes(original, cfg)
+        _check_same_data(changes, task, run_dir)
+    replan = resume_replans(changes, str(run_dir))
+    if not private:
+        if not ckpt_path.is_file():
+            raise ConfigError(
+                [
+                    f"--resume: no checkpoint at {ckpt_path} (the non-private run stopped before "
+                    "its first epoch ended; it spent no privacy budget); start it again without "
+                    "--resume after removing the folder, or choose another --out"
+                ]
+            )
+        return _Opening("checkpoint", None, changes=changes)
+    previous = PrivacyLedger.load(ledger_path) if ledger_path.is_file() else None
+    spent = list(previous.events) if previous is not None else []
+    done = sum(e.steps for e in spent)
+    full = int(cfg.training.epochs * steps_per_epoch)
+    if ckpt_path.is_file():
+        stored = _plans(run_dir)
+        if not replan and stored:
+            plan = dict(stored[-1]["plan"])
+        else:
+            plan = plan_privacy(
+                cfg, n_units, steps_per_epoch, spent=spent, steps=max(0, full - done)
+            )
+        return _Opening("checkpoint", plan, previous, changes)
+    # Stopped before the first checkpoint: restart from the initial model; the steps already
+    # spent stay in the ledger and the new plan fits in what is left of the target.
+    plan = plan_privacy(cfg, n_units, steps_per_epoch, spent=spent, steps=full)
+    if previous is None:
+        return _Opening("start", plan, None, changes)
+    if previous.delta != plan["delta"]:
+        raise PlanError(
+            f"the ledger's delta {previous.delta:g} differs from the plan's {plan['delta']:g}; "
+            "resume with the original data and privacy.delta"
+        )
+    return _Opening("ledger", plan, previous, changes)
+
+
+def _check_same_data(changes: list[tuple[str, Any, Any]], task: Task, run_dir: Path) -> None:
+    """A moved data folder/file is fine; different data is not."""
+    if not any(path == "data.path" for path, _, _ in changes):
+        return
+    plans = _plans(run_dir)
+    before = plans[0].get("data_sha256") if plans else None
+    now = task.data_record.get("sha256")
+    if before is None or before != now:
+        raise ConfigError(
+            [
+                f"--resume {run_dir}: data.path changed and the data's fingerprint differs from "
+                "the one the run started with (or was not recorded); resume with the original "
+                "data, or start a new run with --out"
+            ]
+        )
+
+
+def _plans(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / PLAN_JSON
+    if not path.is_file():
+        return []
+    return list(json.loads(path.read_text()).get("plans", []))
+
+
+def _start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: _Opening) -> None:
+    """Mark the run incomplete and append (never overwrite) its config and plan history."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_json = run_dir / RUN_JSON
+    started = (
+        json.loads(run_json.read_text()).get("started") if run_json.is_file() else None
+    ) or _now()
+    _write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if not (run_dir / "config.yaml").is_file():
+        _atomic_write_bytes(run_dir / "config.yaml", text.encode())
+    plans = _plans(run_dir)
+    session = len(plans)
+    changed = [f"{p}: {a!r} -> {b!r}" for p, a, b in opening.changes]
+    header = (
+        f"# session {session} ({opening.kind}) at {_now()}"
+        + (f"; changed: {'; '.join(changed)}" if changed else "")
+        + "\n"
+    )
+    with open(run_dir / CONFIG_HISTORY, "a", encoding="utf-8") as fh:
+        fh.write(("---\n" if session else "") + header + text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    entry = {
+        "session": session,
+        "kind": opening.kind,
+        "time": _now(),
+        "changed_fields": [p for p, _, _ in opening.changes],
+        "plan": opening.plan,
+        "data_sha256": task.data_record.get("sha256"),
+    }
+    _write_json(run_dir / PLAN_JSON, {"plans": [*plans, entry]})
+
+
+def _carry_ledger(
+    engine: PrivacyEngine, popt: Any, previous: PrivacyLedger, ledger_path: Path
+) -> None:
+    """Continue the on-disk ledger (a run that stopped before its first checkpoint)."""
+    assert engine.ledger is not None
+    meta = dict(engine.ledger.meta)
+    engine.ledger = PrivacyLedger(previous.delta, ledger_path)
+    engine.ledger.events = list(previous.events)
+    engine.ledger.meta = {**previous.meta, **meta}
+    popt.steps_taken = previous.steps
+    engine.ledger.save()
+    log.info(
+        "resumed from the ledger alone: %d noisy steps already spent; training restarts from "
+        "the initial model",
+        previous.steps,
+    )
+
+
+def _stopped_message(cfg: RunConfig, state: _Run, engine: PrivacyEngine | None, how: str) -> str:
+    out = state.run_dir
+    if engine is None or engine.ledger is None:
+        return (
+            f"{how}: the non-private run in {out} is marked incomplete; continue it with --resume"
+        )
+    eps = engine.ledger.epsilon()
+    return (
+        f"{how}: {engine.ledger.steps} noisy steps spent, epsilon {format_epsilon(eps)} of the "
+        f"target {cfg.privacy.target_epsilon:g} (PRV; {out / LEDGER}). The run is marked "
+        f"incomplete and keeps its budget: continue it with `dpkfc-med train CONFIG --resume "
+        f"--out {out}`. Starting it again elsewhere spends a new budget on the same data."
+    )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM (a scheduler's kill) into KeyboardInterrupt, so it checkpoints too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _now() -> str:
@@ -476,12 +651,24 @@ def _fill_epsilon(state: _Run, engine: PrivacyEngine | None) -> None:
 
 
 def _checkpoint(
-    state: _Run, path: Path, model: nn.Module, popt: Any, engine: PrivacyEngine | None
+    state: _Run,
+    path: Path,
+    model: nn.Module,
+    popt: Any,
+    engine: PrivacyEngine | None,
+    *,
+    mid_epoch: bool = False,
 ) -> None:
+    """Model, optimizer, engine (ledger, schedule) and history, written atomically.
+
+    ``mid_epoch``: written on an interrupt inside an epoch; a resume repeats that epoch from
+    its start (the plan's step cap still holds).
+    """
     opt = popt.original_optimizer if hasattr(popt, "original_optimizer") else popt
     _atomic_torch_save(
         {
             "epoch": state.epoch,
+            "mid_epoch": mid_epoch,
             "model": model.state_dict(),
             "optimizer": opt.state_dict(),
             "engine": engine.state_dict() if engine is not None else None,
@@ -535,7 +722,7 @@ def _finish(
     *,
     evaluate: bool,
 ) -> RunResult:
-    from dpkfc_med.report import collect_environment, write_report
+    from dpkfc_med.report import collect_environment, not_covered, split_report, write_report
 
     cfg, task, run_dir = state.cfg, state.task, state.run_dir
     metrics: dict[str, Any] = {"val": None, "test": None, "selected_epoch": state.best["epoch"]}
@@ -555,14 +742,40 @@ def _finish(
             },
             run_dir / "model.pt",
         )
-        _write_json(run_dir / "metrics.json", metrics)
+        _write_json(run_dir / PRIVATE_DIR / "metrics.json", metrics)
         if hasattr(task, "after_training"):
-            task.after_training(model, run_dir, state.device)  # type: ignore[attr-defined]
-    report = build_report(state, model, engine, plan, fixes, status, metrics, collect_environment)
-    write_report(report, run_dir)
-    _write_json(run_dir / "run.json", {"status": status, "finished": _now(), "name": cfg.name})
+            # split.json and overlays show private records: custodian part only
+            task.after_training(model, run_dir / PRIVATE_DIR, state.device)  # type: ignore[attr-defined]
+    full = build_report(state, model, engine, plan, fixes, status, metrics, collect_environment)
+    full["privacy"]["not_covered"] = not_covered(full)
+    report, custodian = split_report(full)
+    write_report(report, run_dir, custodian=custodian)
+    _write_json(run_dir / RUN_JSON, {"status": status, "finished": _now(), "name": cfg.name})
     eps = report["privacy"]["epsilon"]["prv"] if report["privacy"]["epsilon"] else None
-    return RunResult(run_dir, status, eps, metrics, report)
+    return RunResult(run_dir, status, eps, metrics, report, custodian)
+
+
+def _unit_note(task: Task, privacy: dict[str, Any]) -> dict[str, Any] | None:
+    """The task's statement about the unit (several images per patient), with group privacy."""
+    note = getattr(task, "unit_note", None)
+    if not note:
+        return None
+    out = dict(note)
+    k = int(out.get("images_per_patient") or 1)
+    eps = (privacy.get("epsilon") or {}).get(privacy.get("accountant", "prv"))
+    if k > 1 and eps is not None and privacy.get("delta") is not None:
+        from dpkfc_med.privacy.units import group_privacy
+
+        eps_k, delta_k = group_privacy(eps, privacy["delta"], k)
+        out["per_patient"] = {"epsilon": eps_k, "delta": delta_k, "images_per_patient": k}
+        out["statement"] = (
+            f"The privacy unit is one image, but {out.get('dataset', 'this dataset')} holds up "
+            f"to {k} images per patient ({out.get('source', 'see the dataset description')}). "
+            f"Per patient, group privacy gives only about (epsilon, delta) = "
+            f"({format_epsilon(eps_k)}, {delta_k:.3g}) = (k eps, k e^((k-1) eps) delta) with "
+            f"k = {k}. Give a unit-id mapping (data.unit_ids) to protect patients directly."
+        )
+    return out
 
 
 def _task_meta(task: Task) -> dict[str, Any]:
@@ -604,7 +817,7 @@ def build_report(
     metrics: dict[str, Any],
     collect_environment: Any,
 ) -> dict[str, Any]:
-    """The privacy-report dict (schema ``dpkfc_med.privacy_report/1``)."""
+    """The privacy-report dict (schema ``dpkfc_med.privacy_report/2``)."""
     from dpkfc_med.report import REPORT_SCHEMA
 
     cfg, task = state.cfg, state.task
@@ -626,29 +839,69 @@ def build_report(
         "planned_steps": None,
         "epochs": state.epoch,
         "secure_rng": bool(cfg.privacy.secure_rng and method.private),
+        "randomness": {"source": "none", "valid_dp_release": False},
         "neighbouring_relation": f"add or remove one {task.privacy_unit}",
         "guarantee": "NO PRIVACY GUARANTEE: non-private training.",
         "hyperparameter_tuning": TUNING,
         "ledger": {"events": [], "steps": 0, "note": "non-private run: no mechanism was executed"},
+        "plan_history": [  # the data fingerprint stays in the run's working files
+            {k: v for k, v in e.items() if k != "data_sha256"} for e in _plans(state.run_dir)
+        ],
+        "headline_warnings": [],
     }
     pre = None
     if engine is not None and plan is not None and engine.ledger is not None:
         eps = engine.ledger.all_epsilons()
         ledger = engine.ledger
+        sigmas = [e.noise_multiplier for e in ledger.events] or [engine.noise_multiplier]
+        source = engine.randomness
+        warnings = []
+        if source == "seeded":
+            warnings.append(
+                "NOT A VALID DP RELEASE: the noise and the Poisson sampling were seeded from "
+                f"training.seed = {cfg.training.seed} (privacy.reproducible_noise: true), which "
+                "this report publishes; anyone can replay them. Research use only."
+            )
+        target = cfg.privacy.target_epsilon
+        for name in ("prv", "rdp", "pld"):
+            if name != cfg.privacy.accountant and eps[name] > target:
+                warnings.append(
+                    f"The {name.upper()} cross-check gives epsilon {format_epsilon(eps[name])}, "
+                    f"above the target {format_epsilon(target)}; the stated guarantee is the "
+                    f"{cfg.privacy.accountant.upper()} accountant's "
+                    f"({format_epsilon(eps[cfg.privacy.accountant])}). Quote the larger figure "
+                    "if your policy requires the most conservative accountant."
+                )
         privacy.update(
             {
+                "randomness": {
+                    "source": source,
+                    "valid_dp_release": source != "seeded",
+                    "note": {
+                        "os-entropy": "PyTorch generators seeded from OS entropy; the seeds "
+                        "are never written anywhere",
+                        "os-csprng": "every draw from the OS CSPRNG (os.urandom), with "
+                        "floating-point hardening",
+                        "seeded": "seeded from the published training.seed: replayable",
+                    }[source],
+                },
+                "headline_warnings": warnings,
                 "epsilon": eps,
                 "delta": ledger.delta,
                 "sampler": "poisson",
                 "sample_rate": engine.sample_rate,
                 "expected_batch_size": ledger.meta.get("expected_batch_size"),
-                "noise_multiplier": engine.noise_multiplier,
+                "noise_multiplier": min(sigmas),
+                "noise_multipliers": sorted(set(sigmas)),
                 "max_grad_norm": engine.max_grad_norm,
                 "steps": ledger.steps,
                 "planned_steps": plan["planned_steps"],
                 "epochs": ledger.steps * engine.sample_rate,
-                "guarantee": GUARANTEE.format(
-                    eps=f"{math.ceil(eps['prv'] * 1000) / 1000:.3f}",
+                "guarantee": (
+                    "NOT A VALID DP RELEASE (replayable noise). " if source == "seeded" else ""
+                )
+                + GUARANTEE.format(
+                    eps=format_epsilon(eps["prv"]),
                     delta=f"{ledger.delta:g}",
                     unit=task.privacy_unit,
                 ),
@@ -673,6 +926,11 @@ def build_report(
                 "covered_layers": prov["covered_layers"],
                 "config": (prov.get("preconditioner") or {}).get("config", {}),
                 "coverage": (prov.get("preconditioner") or {}).get("coverage", []),
+                "eig_fallbacks": [
+                    {**fb, "refresh_step": r["step"]}
+                    for r in prov["refreshes"]
+                    for fb in r.get("eig_fallbacks", [])
+                ],
             }
     return {
         "schema": REPORT_SCHEMA,
@@ -697,6 +955,7 @@ def build_report(
             "num_train_units": n_units,
             "privacy_unit": task.privacy_unit,
             "max_samples_per_unit": task.max_samples_per_unit,
+            "unit_note": _unit_note(task, privacy),
         },
         "model": {
             "name": cfg.model.name,

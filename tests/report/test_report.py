@@ -26,9 +26,13 @@ from dpkfc_med.report import (
     render_plots,
     rerender,
     sha256_of_files,
+    split_report,
+    validate_custodian_report,
     validate_report,
     write_report,
 )
+from dpkfc_med.report.custodian import CUSTODIAN_FILES, CUSTODIAN_ONLY
+from dpkfc_med.report.render import render_custodian_markdown
 from dpkfc_med.report import environment as env_module
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -40,7 +44,17 @@ def _sha(text: str) -> str:
 
 
 def example_report(**overrides):
-    """A complete, valid DP-KFC classification report.
+    """The shareable part of :func:`example_full` (same ``overrides``)."""
+    return split_report(example_full(**overrides))[0]
+
+
+def example_custodian(**overrides):
+    """The custodian part of :func:`example_full` (same ``overrides``)."""
+    return split_report(example_full(**overrides))[1]
+
+
+def example_full(**overrides):
+    """A complete DP-KFC classification report as the pipeline assembles it (both parts).
 
     ``overrides`` set nested fields by ``__``-joined paths, e.g. ``privacy__delta=2.0``;
     the value ``DELETE`` removes the field.
@@ -68,6 +82,8 @@ def example_report(**overrides):
             "path": "medmnist/breastmnist.npz",
             "sha256": {"breastmnist.npz": _sha("data")},
             "splits": {"train": 546, "val": 78, "test": 156},
+            "class_counts": {"train": [147, 399]},
+            "split": {"train": ["case_001"], "val": ["case_002"], "test": ["case_003"]},
             "num_train_units": 546,
             "privacy_unit": "image",
             "max_samples_per_unit": 1,
@@ -100,6 +116,8 @@ def example_report(**overrides):
             "planned_steps": 100,
             "epochs": 11.72,
             "secure_rng": False,
+            "randomness": {"source": "os-entropy", "valid_dp_release": True},
+            "not_covered": ["Hyperparameter tuning on the private data."],
             "neighbouring_relation": "add/remove one image of the training set",
             "guarantee": "Releasing every model parameter update is (epsilon, delta)-DP.",
             "hyperparameter_tuning": "Hyperparameters were fixed in advance on public data.",
@@ -143,7 +161,13 @@ def example_report(**overrides):
                 }
             ],
         },
-        "training": {"optimizer": "sgd", "lr": 0.5, "epochs": 12, "batch_size": 64},
+        "training": {
+            "optimizer": "sgd",
+            "lr": 0.5,
+            "epochs": 12,
+            "batch_size": 64,
+            "selected_epoch": 3,
+        },
         "history": {
             "step": steps,
             "epsilon": [0.0, *[0.1 * i + 0.2 for i in range(1, len(steps))]],
@@ -219,7 +243,7 @@ def test_example_report_is_valid():
         ({"privacy__epsilon__prv": DELETE}, r"privacy\.epsilon\.prv: missing"),
         ({"privacy__delta": 2.0}, r"privacy\.delta: must be a number in \(0, 1\), got 2\.0"),
         ({"privacy__delta": math.nan}, r"privacy\.delta: must be a number in \(0, 1\)"),
-        ({"schema": "other/2"}, r"schema: must be 'dpkfc_med\.privacy_report/1'"),
+        ({"schema": "other/2"}, r"schema: must be 'dpkfc_med\.privacy_report/2'"),
         ({"status": "complet"}, r"status: must be one of .*\(did you mean 'complete'\?\)"),
         ({"created": "yesterday"}, r"created: must be an ISO-8601 date-time"),
         ({"run__config_sha256": "abc"}, r"run\.config_sha256: must be a 64-character hex"),
@@ -234,19 +258,58 @@ def test_example_report_is_valid():
         ({"preconditioner__uses_private_data": True}, r"uses_private_data: must be false"),
         ({"preconditioner": None}, r"preconditioner: must describe the preconditioner"),
         ({"preconditioner__refreshes": [{"step": 0}]}, r"refreshes\[0\]\.probe_seed: missing"),
-        ({"history__loss": [1.0]}, r"history\.loss: must have the length of history\.step"),
+        ({"history__epsilon": [1.0]}, r"history\.epsilon: must have the length of history\.s"),
+        ({"privacy__randomness": DELETE}, r"privacy\.randomness: missing"),
         ({"environment__git": {"commit": "abc"}}, r"environment\.git\.dirty: missing"),
-        ({"diagnostics": DELETE}, r"diagnostics: missing \(null when there is none\)"),
         ({"run__config": {"x": object()}}, r"run\.config\.x: value of type object is not JSON"),
+    ],
+)
+def test_invalid_fields_are_named(overrides, message):
+    with pytest.raises(ReportSchemaError, match=message):
+        check_report(example_report(**overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"history__loss": [1.0]}, r"history\.loss: must have the length of history\.step"),
         (
             {"metrics__test__confusion_matrix": [[1, 2]]},
             r"metrics\.test\.confusion_matrix: must be a square",
         ),
     ],
 )
-def test_invalid_fields_are_named(overrides, message):
-    with pytest.raises(ReportSchemaError, match=message):
-        check_report(example_report(**overrides))
+def test_invalid_custodian_fields_are_named(overrides, message, tmp_path):
+    with pytest.raises(ReportSchemaError, match="custodian report: " + message):
+        write_report(example_report(), tmp_path, custodian=example_custodian(**overrides))
+    assert not list(tmp_path.iterdir())  # nothing is written then
+
+
+@pytest.mark.parametrize("dotted", list(CUSTODIAN_ONLY))
+def test_shareable_report_refuses_every_unnoised_private_statistic(dotted):
+    full, report = example_full(), example_report()
+    node, back = full, report
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node, back = node[part], back[part]
+    assert leaf not in back  # split_report moved it ...
+    back[leaf] = node[leaf]  # ... and putting it back is refused by name
+    assert any(
+        p.startswith(f"{dotted}: must not be in the shareable report")
+        for p in validate_report(report)
+    )
+
+
+def test_split_report_moves_private_statistics_to_the_custodian():
+    report, custodian = split_report(example_full())
+    assert validate_report(report) == [] and validate_custodian_report(custodian) == []
+    text = json.dumps(report)
+    for needle in ('"loss"', '"confusion_matrix"', '"class_counts"', _sha("data"), '"val_metric"'):
+        assert needle not in text, needle
+    assert custodian["history"]["loss"] == example_full()["history"]["loss"]
+    assert custodian["metrics"] == example_full()["metrics"]
+    assert set(report["custodian"]["items"]) == set(CUSTODIAN_ONLY)
+    assert "case_001" not in text and custodian["data"]["split"]["train"] == ["case_001"]
 
 
 def test_all_problems_are_reported_at_once():
@@ -289,31 +352,36 @@ def test_enums_paths_and_numpy_values_are_accepted(tmp_path):
         DP_KFC = "dp-kfc"
 
     report = example_report(privacy__method=Method.DP_KFC, data__path=Path("a/b.npz"))
-    report["history"]["loss"] = np.asarray(report["history"]["loss"])
-    report["metrics"]["test"]["auroc"] = np.float64("nan")  # one-class split
+    custodian = example_custodian()
+    custodian["history"]["loss"] = np.asarray(custodian["history"]["loss"])
+    custodian["metrics"]["test"]["auroc"] = np.float64("nan")  # one-class split
     report["privacy"]["steps"] = np.int64(100)
     assert validate_report(report) == []
-    paths = write_report(report, tmp_path)
+    paths = write_report(report, tmp_path, custodian=custodian)
     stored = json.loads(paths["json"].read_text())
     assert stored["privacy"]["method"] == "dp-kfc"
-    assert stored["metrics"]["test"]["auroc"] is None  # strict JSON has no NaN
-    assert isinstance(stored["history"]["loss"], list)
+    private = json.loads(paths["custodian_json"].read_text())
+    assert private["metrics"]["test"]["auroc"] is None  # strict JSON has no NaN
+    assert isinstance(private["history"]["loss"], list)
 
 
 # --------------------------------------------------------------------------- files
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    return run_dir, write_report(example_report(), run_dir)
+    return run_dir, write_report(example_report(), run_dir, custodian=example_custodian())
 
 
 def test_write_report_produces_all_files(written):
     run_dir, paths = written
-    assert set(paths) == set(REPORT_FILES)
+    custodian_keys = {f"custodian_{k}" for k in CUSTODIAN_FILES}
+    assert set(paths) == set(REPORT_FILES) | custodian_keys
     for key, rel in REPORT_FILES.items():
         assert paths[key] == run_dir / rel and paths[key].is_file()
+    for key, rel in CUSTODIAN_FILES.items():
+        assert paths[f"custodian_{key}"] == run_dir / rel and (run_dir / rel).is_file()
     assert json.loads(paths["json"].read_text()) == example_report()
-    for key in ("epsilon_plot", "training_plot"):
+    for key in ("epsilon_plot", "custodian_training_plot"):
         assert paths[key].read_bytes().startswith(PNG_MAGIC)
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
     umask = os.umask(0)
@@ -339,27 +407,33 @@ def test_markdown_states_the_guarantee(written):
         "Preconditioner provenance",
         "Data",
         "Model",
-        "Results",
-        "Training curves",
-        "Diagnostics",
+        "What the guarantee does not cover",
+        "Training settings and privacy spent",
         "Hyperparameter tuning",
         "Reproducibility",
     ):
         assert f"\n## {section}\n" in md
+    for section in ("Results", "Training curves", "Diagnostics"):  # custodian report only
+        assert f"\n## {section}\n" not in md
     assert md.index("## Summary") < md.index("## Privacy guarantee")
     assert "![Privacy spent (epsilon) against training step](plots/epsilon.png)" in md
-    assert "(plots/training.png)" in md
-    assert "not covered by the privacy guarantee; for the data custodian only" in md
+    assert "training.png" not in md
+    assert "must not leave the data custodian" in md
     assert "| features.conv0 | Conv2d | conv |" in md
-    assert "| **malignant** | 21 | 21 |" in md  # confusion matrix, rows: true class
+    assert "| **malignant** | 21 | 21 |" not in md  # the confusion matrix stays private
     assert "GroupNorm(32, 64)" in md
-    assert _sha("data") in md and "a" * 40 in md
+    assert _sha("data") not in md and "a" * 40 in md
     assert "INCOMPLETE" not in md and "NO PRIVACY GUARANTEE" not in md
+    private = written[1]["custodian_markdown"].read_text()
+    assert private.startswith("# Custodian report (private, not for release)")
+    assert "| **malignant** | 21 | 21 |" in private and _sha("data") in private
+    assert "![Training loss against step and validation metric against epoch]" in private
+    assert "(plots/training.png)" in private
 
 
 def test_html_is_self_contained(written):
     page = written[1]["html"].read_text()
-    assert page.count('src="data:image/png;base64,') == 2
+    assert page.count('src="data:image/png;base64,') == 1
     assert "plots/epsilon.png" not in page
     assert "1.235" in page and "INCOMPLETE RUN" not in page
 
@@ -368,13 +442,13 @@ def test_render_html_escapes_and_notes_missing_plots():
     report = example_report(run__name="<script>x</script>")
     page = render_html(report, {})
     assert "<script>x" not in page and "&lt;script&gt;" in page
-    assert page.count("Figure not available") == 2
+    assert page.count("Figure not available") == 1
 
 
 def test_rerender_reproduces_views_from_json(written):
     run_dir, paths = written
     before = {k: p.read_bytes() for k, p in paths.items()}
-    for key in ("markdown", "html", "epsilon_plot"):
+    for key in ("markdown", "html", "epsilon_plot", "custodian_markdown"):
         paths[key].unlink()
     again = rerender(run_dir)
     assert {k: p.read_bytes() for k, p in again.items()} == before
@@ -521,28 +595,32 @@ def test_long_tables_are_shortened_and_nested_metrics_tabulated():
     assert "*... 10 more rows in the JSON report*" in md
     assert "| 290 | 29 | 0.1 | 1 |" in md and "| 150 | 15 |" not in md
     assert "seeds 0-29" in md
-    assert "| class | sensitivity | specificity | support |" in md
+    assert "| class | sensitivity | specificity | support |" not in md  # custodian only
+    assert "| class | sensitivity | specificity | support |" in render_custodian_markdown(
+        example_custodian()
+    )
 
 
 def test_segmentation_report_with_undefined_values(tmp_path):
-    report = example_report(
-        task__kind="segmentation",
-        task__spatial_dims=3,
-        task__label_names=["background", "tumour"],
-        data__privacy_unit="patient/volume",
-        data__max_samples_per_unit=4,
-        metrics__test={"mean_dice": 0.7, "dice": [0.9, float("nan")]},
-    )
-    report["history"]["loss"][3] = float("inf")  # a diverged step
+    kw = {
+        "task__kind": "segmentation",
+        "task__spatial_dims": 3,
+        "task__label_names": ["background", "tumour"],
+        "data__privacy_unit": "patient/volume",
+        "data__max_samples_per_unit": 4,
+        "metrics__test": {"mean_dice": 0.7, "dice": [0.9, float("nan")]},
+    }
+    report, custodian = example_report(**kw), example_custodian(**kw)
+    custodian["history"]["loss"][3] = float("inf")  # a diverged step
     assert validate_report(report) == []
     md = render_markdown(report)
     assert "for the add/remove-one-patient/volume relation" in md
     assert "at most 4 samples per unit" in md
-    assert "| tumour | nan |" in md
-    paths = write_report(report, tmp_path)
-    stored = json.loads(paths["json"].read_text())
+    assert "| tumour | nan |" in render_custodian_markdown(custodian)
+    paths = write_report(report, tmp_path, custodian=custodian)
+    stored = json.loads(paths["custodian_json"].read_text())
     assert stored["history"]["loss"][3] is None and stored["metrics"]["test"]["dice"][1] is None
-    assert "| tumour | n/a |" in paths["markdown"].read_text()
+    assert "| tumour | n/a |" in paths["custodian_markdown"].read_text()
 
 
 def test_auto_refresh_schedule_is_stated_with_its_estimate():

@@ -1,0 +1,200 @@
+"""What a run publishes and what stays with the data custodian.
+
+A run directory has two parts:
+
+* the **shareable part** -- ``privacy_report.{json,md,html}``, ``plots/epsilon.png`` and the
+  model (``model.pt``): everything in it is either covered by the (epsilon, delta) guarantee
+  (the model, everything derived from the ledger) or public by assumption (the config, the
+  plan, the number of training units, the environment), so a data-protection officer can hand
+  it to a third party;
+* the **custodian part** -- everything under :data:`PRIVATE_DIR`: statistics computed from the
+  private records *without noise* (per-step training losses, validation and test metrics,
+  clipping diagnostics, class counts, the data fingerprint, the case split) and files that show
+  private records (segmentation overlays, evaluations). None of it is covered by the guarantee.
+
+:func:`split_report` is the single place that decides which report fields go where
+(:data:`CUSTODIAN_ONLY`); the shareable report lists the custodian items by name
+(``custodian.items``) and states everything else the guarantee does not cover
+(:func:`not_covered`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "CUSTODIAN_FILES",
+    "CUSTODIAN_ONLY",
+    "CUSTODIAN_SCHEMA",
+    "PRIVATE_DIR",
+    "not_covered",
+    "split_report",
+]
+
+PRIVATE_DIR = "private_not_for_release"
+"""Folder of a run directory that holds everything derived from private records without noise."""
+
+CUSTODIAN_SCHEMA = "dpkfc_med.custodian_report/1"
+
+CUSTODIAN_FILES: dict[str, str] = {
+    "json": f"{PRIVATE_DIR}/custodian_report.json",
+    "markdown": f"{PRIVATE_DIR}/custodian_report.md",
+    "training_plot": f"{PRIVATE_DIR}/plots/training.png",
+}
+"""Key -> path (relative to the run directory) of the custodian report's files."""
+
+CUSTODIAN_ONLY: dict[str, str] = {
+    "history.loss": "per-step training losses (un-noised minibatch statistics)",
+    "history.val_epoch": "epochs of the validation curve",
+    "history.val_metric": "validation metric per epoch (un-noised, on private validation data)",
+    "metrics": "validation and test metrics (un-noised, on private held-out data)",
+    "diagnostics": "per-step clipping diagnostics (clipped fraction, norms, layer shares)",
+    "training.selected_epoch": "the epoch selected on the private validation split",
+    "data.class_counts": "class counts of the private splits",
+    "data.sha256": "fingerprint of the private data (a membership oracle for the whole dataset)",
+    "data.split": "case ids of each split (who is in the training set)",
+}
+"""Dotted report field -> what it is; all move from the shareable to the custodian report."""
+
+CUSTODIAN_FOLDER_FILES: dict[str, str] = {
+    "custodian_report.json / .md": "this report",
+    "metrics.json": "validation and test metrics",
+    "split.json": "case ids of each split (segmentation)",
+    "overlays/*.png": "slices of private images with ground truth and prediction (segmentation)",
+    "evaluations/*.json": "results of `dpkfc-med evaluate` (computed on the evaluated data)",
+}
+"""Files that may appear under :data:`PRIVATE_DIR`, and what they hold."""
+
+
+def _pop(report: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = report
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    if not isinstance(node, dict) or parts[-1] not in node:
+        return False, None
+    return True, node.pop(parts[-1])
+
+
+def _put(report: dict[str, Any], dotted: str, value: Any) -> None:
+    node = report
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a full report into the shareable report and the custodian report.
+
+    Args:
+        full: the report as the pipeline assembled it (every field).
+
+    Returns:
+        ``(shareable, custodian)``. ``shareable`` lacks every :data:`CUSTODIAN_ONLY` field and
+        names the custodian part in ``custodian``; ``custodian`` holds those fields (schema
+        :data:`CUSTODIAN_SCHEMA`) with the run's name, status and privacy headline for context.
+    """
+    shareable = copy.deepcopy(dict(full))
+    private: dict[str, Any] = {}
+    moved: list[str] = []
+    for dotted in CUSTODIAN_ONLY:
+        found, value = _pop(shareable, dotted)
+        if found:
+            _put(private, dotted, value)
+            moved.append(dotted)
+    p = shareable.get("privacy") or {}
+    custodian = {
+        "schema": CUSTODIAN_SCHEMA,
+        "banner": (
+            "computed from the private records without noise; not "
+            "covered by the privacy guarantee; for the data custodian only"
+        ),
+        "status": shareable.get("status"),
+        "created": shareable.get("created"),
+        "run": {k: (shareable.get("run") or {}).get(k) for k in ("name", "run_dir", "seed")},
+        "task": shareable.get("task"),
+        "privacy": {
+            "method": p.get("method"),
+            "epsilon": p.get("epsilon"),
+            "delta": p.get("delta"),
+            "accountant": p.get("accountant"),
+        },
+        "history": {"step": (shareable.get("history") or {}).get("step", [])},
+        "metrics": {"val": None, "test": None},
+        "diagnostics": None,
+        "training": {},
+        "data": {},
+        "files": dict(CUSTODIAN_FOLDER_FILES),
+    }
+    for key in ("history", "training", "data"):
+        custodian[key].update(private.get(key, {}))
+    for key in ("metrics", "diagnostics"):
+        if key in private:
+            custodian[key] = private[key]
+    custodian["history"].setdefault("val_metric_name", shareable["history"].get("val_metric_name"))
+    shareable["custodian"] = {
+        "path": PRIVATE_DIR,
+        "report": CUSTODIAN_FILES["json"],
+        "items": {k: CUSTODIAN_ONLY[k] for k in moved},
+        "note": (
+            f"everything under {PRIVATE_DIR}/ is computed from the private records without "
+            "noise, is NOT covered by the privacy guarantee and must not leave the data "
+            "custodian; this report, its epsilon plot and the model are the shareable part"
+        ),
+    }
+    return shareable, custodian
+
+
+def not_covered(report: Mapping[str, Any]) -> list[str]:
+    """Everything the stated (epsilon, delta) does not cover, one sentence each.
+
+    Args:
+        report: the (shareable or full) report.
+    """
+    p = report.get("privacy") or {}
+    data = report.get("data") or {}
+    items = [
+        "Hyperparameter tuning on the private data, including the choice of the released "
+        "epoch on the private validation split.",
+        "The number of training units N (it sets the sample rate q = 1/ceil(N/B), the number "
+        "of steps and delta) is treated as public, as in Opacus and the standard analysis of "
+        "Poisson-subsampled Gaussian mechanisms.",
+        f"Everything under {PRIVATE_DIR}/ (for the data custodian only): "
+        + "; ".join(CUSTODIAN_ONLY.values())
+        + "; segmentation overlays and evaluations.",
+    ]
+    if p.get("private"):
+        rand = (p.get("randomness") or {}).get("source")
+        if rand == "seeded":
+            items.insert(
+                0,
+                "NOTHING: this run's noise and sampling were seeded from a published seed "
+                "(privacy.reproducible_noise: true), so anyone can replay them; it is NOT a "
+                "valid DP release.",
+            )
+        else:
+            items.append(
+                "Weaknesses of the random number generator: the guarantee assumes ideal "
+                "randomness; noise comes from "
+                + (
+                    "the OS CSPRNG with Opacus' floating-point hardening."
+                    if rand == "os-csprng"
+                    else "PyTorch's generator seeded from OS entropy (set privacy.secure_rng: "
+                    "true for the OS CSPRNG and floating-point hardening)."
+                ),
+            )
+    note = data.get("unit_note")
+    if isinstance(note, Mapping) and note.get("statement"):
+        items.append(str(note["statement"]))
+    pre = report.get("preconditioner") or {}
+    if pre.get("external_data"):
+        items.append(
+            "The external public data used for the preconditioner is not protected by this "
+            "guarantee (it is assumed public)."
+        )
+    return items
