@@ -6,6 +6,7 @@ Examples::
     dpkfc-med train CONFIG --epsilon 8 --method dp-sgd --out runs/x --set training.lr=0.1
     dpkfc-med evaluate runs/x --data other_pneumoniamnist.npz --split test
     dpkfc-med report runs/x
+    dpkfc-med audit configs/pneumoniamnist_cnn_2d_eps1.yaml --epsilon 8 --canaries 5000
 """
 
 from __future__ import annotations
@@ -31,25 +32,31 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Train from a YAML config (see configs/). Writes the model, metrics, a "
         "ledger and privacy_report.{json,md,html} into the run directory.",
     )
-    t.add_argument("config", help="YAML run configuration")
-    t.add_argument(
-        "--data", help="private data: MedMNIST .npz / flag, or NIfTI folder (overrides data.path)"
-    )
-    t.add_argument(
-        "--epsilon", type=float, help="target epsilon (overrides privacy.target_epsilon)"
-    )
-    t.add_argument("--method", help="nonprivate | dp-sgd | dp-kfc | dp-kfc-white | dp-kfc-public")
-    t.add_argument("--out", help="run directory (overrides output.dir)")
-    t.add_argument("--device", help="cpu | cuda | auto")
-    t.add_argument("--seed", type=int, help="training seed (overrides training.seed)")
+    _add_run_options(t, out_help="run directory (overrides output.dir)")
     t.add_argument("--resume", action="store_true", help="continue the run in the output directory")
-    t.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config field, e.g. --set training.lr=0.1 (repeatable)",
+    a = sub.add_parser(
+        "audit",
+        help="empirical lower bound on epsilon from one training run with canaries",
+        description="Run the config's exact private mechanism once with M white-box gradient "
+        "canaries, each included with probability 1/2 (Steinke, Nasr & Jagielski 2023, "
+        "'Privacy auditing with one (1) training run'), guess which were included from the "
+        "released noisy updates and turn the correct guesses into a lower bound on epsilon. "
+        "Writes audit.json (lower bound next to the accounted epsilon) into a new run "
+        "directory, runs/{name}_audit by default. The audit run's model contains the canaries: "
+        "it is a test of the implementation, not a release. A lower bound above the accounted "
+        "epsilon means the guarantee does not hold.",
     )
+    _add_run_options(a, out_help="the audit's run directory (default: the config's + '_audit')")
+    # Defaults live in dpkfc_med.training.audit (None: use them); the parser stays free of
+    # heavy imports so that --help is instant.
+    a.add_argument(
+        "--canaries",
+        type=int,
+        metavar="M",
+        help="number of canaries, at least 2 and at most the model's number of trainable "
+        "parameters (default 5000)",
+    )
+    a.add_argument("--confidence", type=float, help="confidence of the lower bound (default 0.95)")
     e = sub.add_parser(
         "evaluate",
         help="metrics of a trained run on a MedMNIST file / NIfTI folder of the same task",
@@ -74,9 +81,31 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train(args: argparse.Namespace) -> int:
+def _add_run_options(p: argparse.ArgumentParser, *, out_help: str) -> None:
+    """The config argument and the overrides shared by ``train`` and ``audit``."""
+    p.add_argument("config", help="YAML run configuration")
+    p.add_argument(
+        "--data", help="private data: MedMNIST .npz / flag, or NIfTI folder (overrides data.path)"
+    )
+    p.add_argument(
+        "--epsilon", type=float, help="target epsilon (overrides privacy.target_epsilon)"
+    )
+    p.add_argument("--method", help="nonprivate | dp-sgd | dp-kfc | dp-kfc-white | dp-kfc-public")
+    p.add_argument("--out", help=out_help)
+    p.add_argument("--device", help="cpu | cuda | auto")
+    p.add_argument("--seed", type=int, help="training seed (overrides training.seed)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set training.lr=0.1 (repeatable)",
+    )
+
+
+def _load_run_config(args: argparse.Namespace) -> Any:
+    """The config of ``args.config`` with the command-line overrides applied and validated."""
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.loop import train
 
     overrides = list(args.set)
     if args.data:
@@ -91,7 +120,13 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"training.device={args.device}")
     if args.seed is not None:
         overrides.append(f"training.seed={args.seed}")
-    cfg = load_config(args.config, overrides)
+    return load_config(args.config, overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dpkfc_med.training.loop import train
+
+    cfg = _load_run_config(args)
     result = train(cfg, resume=args.resume)
     eps = result.epsilon
     test = (result.metrics or {}).get("test") or {}
@@ -105,6 +140,17 @@ def _train(args: argparse.Namespace) -> int:
         if key in test:
             print(f"test {key}: {test[key]:.4f}")
     print(f"report: {result.run_dir / 'privacy_report.md'}")
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from dpkfc_med.training.audit import AUDIT_FILE, format_audit, run_audit
+
+    cfg = _load_run_config(args)
+    run = run_audit(cfg, out=args.out, canaries=args.canaries, confidence=args.confidence)
+    print(f"audit run: {run.run_dir} (its model includes the canaries: not a release)")
+    print(format_audit(run.audit))
+    print(f"audit: {run.run_dir / AUDIT_FILE}")
     return 0
 
 
@@ -133,12 +179,20 @@ def _report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dpkfc-med`` console script."""
     args = _build_parser().parse_args(argv)
-    handlers = {"train": _train, "evaluate": _evaluate, "report": _report}
+    handlers = {
+        "train": _train,
+        "audit": _audit,
+        "evaluate": _evaluate,
+        "report": _report,
+    }
     try:
         return handlers[args.command](args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        # RunInterrupted says what was spent and how to continue; a bare Ctrl-C before the run
+        # started spent nothing.
         print(
-            "interrupted: the run is marked incomplete; continue it with --resume", file=sys.stderr
+            str(err) or "interrupted before training started: nothing was spent",
+            file=sys.stderr,
         )
         return 130
     except (ValueError, FileNotFoundError, KeyError) as err:

@@ -83,9 +83,12 @@ class DataConfig:
         max_eval: cap on validation/test items (quick runs).
         download: allow downloading a MedMNIST flag (needs internet).
         split_fractions: train/val/test fractions for folders without a split (segmentation).
-        patch_size: training patch size for segmentation (``null``: whole padded volume).
+        patch_size: segmentation: training patch (and probe) size; required -- it shapes the
+            preconditioner, so it must not be read off the private volumes. Whole volumes:
+            give a patch at least as large as the largest volume (they are padded to it).
         patches_per_unit: patches drawn per volume per step (segmentation).
-        spacing: voxel spacing override in mm (default: from the data header, else 1).
+        spacing: segmentation: voxel spacing of the probes in mm; required (the protocol's
+            spacing, not the private NIfTI headers'; the error suggests the headers' median).
         resize: classification: resize every image to this spatial size (MONAI ``Resize``,
             bilinear / trilinear) before the network; probes are drawn at the same size. Use it
             when a network downsamples more than the file's size allows (DenseNet121 needs at
@@ -96,7 +99,8 @@ class DataConfig:
             and a patient's images are clipped together. Without it, a ``train_unit_ids``
             array inside the ``.npz`` is used if present, else the unit is one image. See
             :mod:`dpkfc_med.data.units` for the formats.
-        num_classes: classification: the declared number of classes; labels outside
+        num_classes: the declared number of classes (segmentation: required when the folder's
+            ``dataset.json`` declares no labels). Classification: labels outside
             ``0..num_classes-1`` are refused (default: ``medmnist.INFO`` for a MedMNIST file
             name, else the largest label + 1).
     """

@@ -2,15 +2,17 @@
 
 Order of operations (so that bad input never leaves anything that looks like a run):
 
-1. load and validate data, build and fix the model, check the privacy plan;
-2. only then create the run directory, mark it ``incomplete`` and start the ledger;
+1. load and validate data, build and fix the model, decide how the run opens (fresh, from its
+   checkpoint, or from its ledger alone) and check the privacy plan (:mod:`.plan`);
+2. only then create the run directory, mark it ``incomplete``, append the config and the plan
+   to ``config_history.yaml`` / ``plan.json`` and start (or continue) the ledger;
 3. train; the ledger file is rewritten before every noisy update, a checkpoint (model,
-   optimizer, accountant/ledger and RNG states) is written atomically after every epoch;
-4. evaluate the best-validation model on the test split, write metrics, model and the
-   privacy report, and mark the run ``complete``.
+   optimizer, ledger, schedule) is written atomically after every epoch and on Ctrl-C/SIGTERM;
+4. evaluate the best-validation model, write the model, the shareable privacy report and the
+   custodian report (``private_not_for_release/``), and mark the run ``complete``.
 
-An exception or Ctrl-C writes the report with ``status: incomplete`` (the privacy spent is the
-ledger's, which is never behind) and re-raises.
+An exception or interrupt writes the report with ``status: incomplete`` (the privacy spent is
+the ledger's, which is never behind), says what was spent and how to continue, and re-raises.
 """
 
 from __future__ import annotations

@@ -371,27 +371,47 @@ class SegmentationTask(Task):
 
 
 # ------------------------------------------------------------------------------- builder
-def _patch_size(cfg: RunConfig, cases: SegmentationCases) -> tuple[int, int, int]:
-    """The configured patch, or the largest volume rounded up to a multiple of 16."""
+# The probes' shape and voxel spacing and the number of classes shape the preconditioner and
+# the refresh schedule. Taken from the private cases (the largest volume, the median header
+# spacing, the largest label value) they would differ between two datasets that differ in one
+# patient, so the preconditioner would no longer be post-processing. They come from the config
+# (or the folder's declared task description); the data only *suggests* values, printed for the
+# custodian in the error, never used silently.
+def _patch_size(cfg: RunConfig, cases: SegmentationCases, problems: list[str]) -> tuple[int, ...]:
+    """The configured training patch (required)."""
     if cfg.data.patch_size is None:
         biggest = np.max([c.shape for c in cases], axis=0)
-        return tuple(int(-(-s // 16) * 16) for s in biggest)  # type: ignore[return-value]
+        hint = [int(-(-s // 16) * 16) for s in biggest]
+        problems.append(
+            "data.patch_size: required for segmentation (the probes' shape must come from the "
+            "config, not from the private volumes); whole volumes padded to the largest case "
+            f"here would be {hint} (for the custodian: derived from the private data, not used)"
+        )
+        return (16, 16, 16)
     p = list(cfg.data.patch_size)
     if len(p) != 3 or any(not isinstance(s, int) or s < 1 for s in p):
-        raise ConfigError(
-            [f"data.patch_size={p!r}: must be 3 positive integers, e.g. [32, 32, 32]"]
-        )
+        problems.append(f"data.patch_size={p!r}: must be 3 positive integers, e.g. [32, 32, 32]")
+        return (16, 16, 16)
     return (p[0], p[1], p[2])
 
 
-def _spacing(cfg: RunConfig, cases: SegmentationCases) -> tuple[tuple[float, ...], str]:
+def _spacing(
+    cfg: RunConfig, cases: SegmentationCases, problems: list[str]
+) -> tuple[tuple[float, ...], str]:
+    """The configured voxel spacing of the probes (required)."""
     if cfg.data.spacing is not None:
         s = [float(v) for v in cfg.data.spacing]
         if len(s) != 3 or any(not v > 0 for v in s):
-            raise ConfigError([f"data.spacing={s!r}: must be 3 positive numbers in mm"])
+            problems.append(f"data.spacing={s!r}: must be 3 positive numbers in mm")
         return tuple(s), "data.spacing"
     med = np.median(np.asarray([c.spacing for c in cases], dtype=np.float64), axis=0)
-    return tuple(float(v) for v in med), "median of the NIfTI header spacings"
+    hint = [round(float(v), 3) for v in med]
+    problems.append(
+        "data.spacing: required for segmentation (the probes' voxel spacing in mm must come "
+        "from the config or the protocol, not from the private NIfTI headers); the headers' "
+        f"median here is {hint} (for the custodian: derived from the private data, not used)"
+    )
+    return (1.0, 1.0, 1.0), "unset"
 
 
 def _label_names(cases: SegmentationCases, num_classes: int) -> list[str]:
@@ -474,19 +494,38 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     # Foreign data is evaluated on every case; the run's own data only on the cases in use.
     checked = cases if not own_data else cases.select(used)
     checked.validate_all()
+    problems: list[str] = []
+    declared = cfg.data.num_classes
     num_classes = cases.num_classes
-    classes_from = "dataset.json 'labels'"
-    if num_classes is None:
-        num_classes = _undeclared_num_classes(checked)
-        classes_from = "largest label value in the data + 1 (no declared labels)"
+    classes_from = "dataset.json 'labels' (the task's declared classes)"
+    if declared is not None:
+        if num_classes is not None and num_classes != declared:
+            problems.append(
+                f"data.num_classes={declared} disagrees with the {num_classes} labels declared "
+                f"in {root}/dataset.json; fix one of them"
+            )
+        num_classes, classes_from = declared, "data.num_classes"
+    elif num_classes is None:
+        top = _undeclared_num_classes(checked)
+        if own_data:
+            problems.append(
+                "data.num_classes: required (the folder has no dataset.json 'labels'; the class "
+                "count must not come from the private label values); the largest label value "
+                f"here suggests {top} (for the custodian: derived from the private data, not "
+                "used)"
+            )
+        num_classes = top
+        classes_from = "largest label value in the data + 1 (evaluation of other data)"
     channels = {c.channels for c in cases}
     if len(channels) != 1:
         raise DataValidationError(
             root, [f"cases have different channel counts {sorted(channels)}; use one modality set"]
         )
     in_channels = channels.pop()
-    patch = _patch_size(cfg, cases)
-    spacing, spacing_from = _spacing(cfg, cases)
+    patch = _patch_size(cfg, cases, problems)
+    spacing, spacing_from = _spacing(cfg, cases, problems)
+    if problems:
+        raise ConfigError(problems)
     k = int(cfg.data.patches_per_unit)
 
     train_transform = segmentation_transforms(

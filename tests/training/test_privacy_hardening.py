@@ -211,3 +211,28 @@ def test_loaders_with_their_own_sampling_are_refused():
             delta=1e-5,
             method="dp-sgd",
         )
+
+
+def test_segmentation_probe_settings_never_come_from_private_headers(tmp_path, capsys):
+    from dpkfc_med.cli import main
+    from tests.training.test_segmentation import CONFIG, TINY, _folder, _sets
+
+    folder = _folder(tmp_path / "data", "none")
+    (folder / "dataset.json").unlink()  # no declared labels either
+    out = tmp_path / "run"
+    unset = ["data.spacing=null", "data.patch_size=null", "data.num_classes=null"]
+    args = ["train", str(CONFIG), "--out", str(out), "--data", str(folder)]
+    code = main([*args, *_sets([*TINY, *unset])])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    for field, hint in (
+        ("data.spacing", "median here is [1.0, 1.0, 1.0]"),
+        ("data.patch_size", "would be [16, 16, 16]"),
+        ("data.num_classes", "suggests 3"),
+    ):
+        assert f"{field}: required" in err and hint in err, (field, err)
+    # with the values stated in the config the same folder trains
+    assert main([*args, *_sets([*TINY, "data.num_classes=3", "data.max_eval=1"])]) == 0
+    rep = _report(out)
+    assert rep["data"]["spacing_source"] == "data.spacing"
+    assert rep["data"]["num_classes_source"] == "data.num_classes"

@@ -75,14 +75,21 @@ def test_cli_train_writes_report_split_overlays_and_dice(runs, method):
         src = report["preconditioner"]["probe_source"]
         assert src["task"] == "segmentation" and src["preset"] == "mri"
         assert src["intensity"]["mode"] == "zscore" and src["spatial_shape"] == [16, 16, 16]
-    split = json.loads((run / "split.json").read_text())
+    private = run / "private_not_for_release"  # case ids and patients' images stay here
+    split = json.loads((private / "split.json").read_text())
     assert {k: len(v) for k, v in split.items()} == {"train": 6, "val": 2, "test": 2}
-    assert split == report["data"]["split"]
+    custodian = json.loads((private / "custodian_report.json").read_text())
+    assert split == custodian["data"]["split"] and "split" not in report["data"]
     assert not set(split["train"]) & (set(split["val"]) | set(split["test"]))
-    overlays = sorted((run / "overlays").glob("*.png"))
+    overlays = sorted((private / "overlays").glob("*.png"))
     assert [p.stem for p in overlays] == split["val"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in overlays)
-    metrics = json.loads((run / "metrics.json").read_text())
+    assert not (run / "overlays").exists() and not (run / "split.json").exists()
+    shareable = "".join(
+        (run / f"privacy_report.{ext}").read_text() for ext in ("json", "md", "html")
+    )
+    assert not any(case in shareable for ids in split.values() for case in ids)
+    metrics = json.loads((private / "metrics.json").read_text())
     for part in ("val", "test"):
         m = metrics[part]
         assert 0.0 <= m["mean_dice"] <= 1.0 and m["n"] == 2
@@ -102,7 +109,8 @@ def test_cli_evaluate_on_another_folder_uses_all_its_cases(runs, tmp_path, capsy
     assert main(["evaluate", str(runs["dp-sgd"]), "--data", str(other)]) == 0
     printed = capsys.readouterr().out
     assert "all its cases" in printed
-    saved = json.loads((runs["dp-sgd"] / "evaluations" / "other_site_all.json").read_text())
+    evals = runs["dp-sgd"] / "private_not_for_release" / "evaluations"
+    saved = json.loads((evals / "other_site_all.json").read_text())
     assert saved["split"] == "all" and saved["n"] == 3
     assert 0.0 <= saved["mean_dice"] <= 1.0
     assert set(saved["dice_per_class"]) == {"class_1", "class_2"}  # no dataset.json: unnamed
