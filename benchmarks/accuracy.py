@@ -251,7 +251,7 @@ def _run(cfg_dict: dict[str, Any], method: str) -> dict[str, Any]:
         "metrics": {s: res.metrics[s] for s in ("val", "test")},
         "epsilon": res.epsilon,
         "noise_multiplier": rep["privacy"]["noise_multiplier"],
-        "diagnostics": rep.get("diagnostics"),
+        "diagnostics": res.custodian.get("diagnostics"),
     }
 
 

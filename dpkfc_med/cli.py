@@ -1,4 +1,4 @@
-"""The ``dpkfc-med`` command: train, evaluate and report.
+"""The ``dpkfc-med`` command: train, audit, evaluate and report.
 
 Examples::
 
@@ -61,7 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "evaluate",
         help="metrics of a trained run on a MedMNIST file / NIfTI folder of the same task",
         description="Evaluate the selected model of RUN_DIR on a split of any dataset of the same "
-        "task (same input shape and classes). Results go to RUN_DIR/evaluations/.",
+        "task (same input shape and classes). Results go to "
+        "RUN_DIR/private_not_for_release/evaluations/.",
     )
     e.add_argument("run_dir")
     e.add_argument("--data", help="dataset to evaluate on (default: the run's own data)")
@@ -163,7 +164,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _short(metrics: dict[str, Any]) -> dict[str, Any]:
-    # The full record (data provenance, confusion matrix) is in RUN_DIR/evaluations/.
+    # The full record (provenance, confusion matrix): RUN_DIR/private_not_for_release/evaluations/
     return {k: v for k, v in metrics.items() if k not in ("data", "confusion_matrix")}
 
 

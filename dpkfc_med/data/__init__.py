@@ -1,7 +1,8 @@
-"""Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; data-root resolution."""  # noqa: E501
+"""Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; patient unit ids and image fingerprints; data-root resolution."""  # noqa: E501
 
 from dpkfc_med.data.dicom import list_dicom_series, read_dicom_series
 from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
+from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.data.medmnist import (
     MedMNISTDataset,
     Task,
@@ -28,6 +29,12 @@ from dpkfc_med.data.paths import (
     resolve_data_path,
     sha256_file,
 )
+from dpkfc_med.data.units import (
+    UnitCollate,
+    UnitImageDataset,
+    group_by_unit,
+    read_unit_ids_csv,
+)
 
 __all__ = [
     "DATA_ENV_VAR",
@@ -40,16 +47,22 @@ __all__ = [
     "SegmentationCases",
     "Task",
     "TensorImageDataset",
+    "UnitCollate",
+    "UnitImageDataset",
     "VolumeDataset",
+    "count_shared",
     "data_roots",
     "default_data_root",
     "deterministic_split",
+    "group_by_unit",
+    "image_digests",
     "list_dicom_series",
     "load_medmnist",
     "load_segmentation_folder",
     "load_split",
     "medmnist_info",
     "read_dicom_series",
+    "read_unit_ids_csv",
     "resolve_data_path",
     "save_split",
     "segmentation_transforms",

@@ -3,7 +3,13 @@
 A MedMNIST archive holds ``{split}_images`` and ``{split}_labels`` for the splits ``train``,
 ``val`` and ``test``. Any file in that layout works, not only the official ones; metadata
 (label names, declared number of classes) comes from ``medmnist.INFO`` when the file name
-matches a MedMNIST flag.
+matches a MedMNIST flag. An optional ``{split}_unit_ids`` array gives each image's patient id
+(the privacy unit; :mod:`dpkfc_med.data.units`).
+
+Classes: labels must lie in ``0..num_classes-1`` of the declared classes (``num_classes=`` or
+the ``medmnist.INFO`` entry). Without a declaration the task has ``max(label) + 1`` classes, and
+labels that skip a class no split uses (0, 1 and 5 in a binary file) are refused rather than
+read as extra classes.
 
 Layout rule for ``{split}_images`` (used unless ``spatial_dims`` is given):
 
@@ -46,10 +52,12 @@ from torch.utils.data import Dataset
 
 from dpkfc_med.data.errors import DataValidationError
 from dpkfc_med.data.paths import sha256_file
+from dpkfc_med.data.units import as_unit_id_strings, unit_id_array_problems
 
 __all__ = [
     "DEFAULT_SPLITS",
     "MedMNISTDataset",
+    "UNIT_IDS_SUFFIX",
     "Task",
     "TensorImageDataset",
     "load_medmnist",
@@ -57,6 +65,8 @@ __all__ = [
 ]
 
 DEFAULT_SPLITS = ("train", "val", "test")
+UNIT_IDS_SUFFIX = "_unit_ids"
+"""Optional ``{split}_unit_ids`` arrays give each image's patient id (privacy unit)."""
 
 
 class Task(str, Enum):
@@ -156,8 +166,9 @@ class TensorImageDataset(Dataset):
     """Map-style dataset over in-memory images and labels.
 
     Each item is ``(image, label)``: the image ``[C, *spatial]`` (after ``transform``) and the
-    label, a 0-d ``int64`` tensor (multi-class) or ``[K]`` tensor (multi-label). One item is
-    one privacy unit (one image, i.e. one patient record in MedMNIST).
+    label, a 0-d ``int64`` tensor (multi-class) or ``[K]`` tensor (multi-label). Sampling
+    items samples images: when a patient has several images, train on
+    :class:`~dpkfc_med.data.units.UnitImageDataset` instead.
 
     Args:
         images: ``[N, C, *spatial]`` tensor.
@@ -210,6 +221,10 @@ class MedMNISTDataset:
         sha256: SHA-256 of the archive (fingerprint for run records and privacy reports).
         class_counts: Split -> count per class (multi-label: positives per column).
         flag: The ``medmnist.INFO`` key used for metadata, or ``None``.
+        unit_ids: Split -> one privacy-unit (patient) id per image, for the splits whose
+            ``{split}_unit_ids`` array is in the file (see :mod:`dpkfc_med.data.units`).
+        num_classes_source: Where ``num_classes`` came from (``"num_classes"``,
+            ``"medmnist.INFO['flag']"``, or the largest label + 1 when undeclared).
     """
 
     splits: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -223,6 +238,8 @@ class MedMNISTDataset:
     sha256: str
     class_counts: dict[str, list[int]] = field(default_factory=dict)
     flag: str | None = None
+    unit_ids: dict[str, list[str]] = field(default_factory=dict)
+    num_classes_source: str = ""
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{k}={len(v[1])}" for k, v in self.splits.items())
@@ -279,6 +296,44 @@ class MedMNISTDataset:
         return TensorImageDataset(images[index], labels[index], transform)
 
 
+def _values(labels: np.ndarray, limit: int = 10) -> str:
+    """Distinct label values, e.g. ``[5, 7]`` (``[5, 7, ...]`` beyond ``limit``)."""
+    vals = np.unique(labels).tolist()
+    return str(vals[:limit])[:-1] + ", ...]" if len(vals) > limit else str(vals)
+
+
+def _undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int) -> list[str]:
+    """Undeclared classes: refuse labels beyond a class that no split uses.
+
+    Without declared classes the task has ``max(label) + 1`` classes. A class index with no
+    example anywhere (labels 0, 1 and 5 in a binary file) means that guess is wrong, so the
+    labels above the first unused index are reported instead of silently adding classes.
+    """
+    if observed_max < 0 or any(a.ndim != 1 for a in labels.values()):
+        return []
+    used = np.zeros(observed_max + 1, dtype=bool)
+    for lab in labels.values():
+        used[lab[lab >= 0].astype(np.int64)] = True
+    unused = np.flatnonzero(~used).tolist()
+    if not unused:
+        return []
+    gap = unused[0]
+    where = [
+        f"{s}_labels has {int((lab > gap).sum())} label(s) > {gap - 1} (values "
+        f"{_values(lab[lab > gap])})"
+        for s, lab in labels.items()
+        if (lab > gap).any()
+    ]
+    shown = unused[:10] + (["..."] if len(unused) > 10 else [])
+    return [
+        f"the classes are not declared (no num_classes and no medmnist.INFO entry for this "
+        f"file name) and the labels skip class(es) {shown}, which no split uses: "
+        f"{'; '.join(where)}. Inferring {observed_max + 1} classes would be a guess; declare "
+        "the classes (num_classes, or data.num_classes in a run config) and fix the labels "
+        "outside them"
+    ]
+
+
 def _class_counts(labels: torch.Tensor, num_classes: int, multilabel: bool) -> list[int]:
     if multilabel:
         return [int(v) for v in labels.sum(dim=0).tolist()]
@@ -304,7 +359,8 @@ def load_medmnist(
         splits: Splits that must be present.
         spatial_dims: 2 or 3 to override the layout rule of the module docstring.
         num_classes: Declared number of classes; labels must lie in ``[0, num_classes)``.
-            Defaults to the ``medmnist.INFO`` entry for the flag, else ``max(label) + 1``.
+            Defaults to the ``medmnist.INFO`` entry for the flag, else ``max(label) + 1``
+            (refused when the labels skip a class, see the module docstring).
         flag: ``medmnist.INFO`` key for metadata; by default taken from the file name
             (``pneumoniamnist_64.npz`` -> ``pneumoniamnist``).
         max_per_split: Keep only the first ``max_per_split`` items of each split (after
@@ -315,7 +371,9 @@ def load_medmnist(
 
     Raises:
         DataValidationError: Missing or unreadable file, missing keys, length mismatches,
-            empty splits, non-finite pixels, bad labels, or shapes that differ between splits.
+            empty splits, non-finite pixels, bad labels (outside the declared classes, or
+            skipping a class when undeclared), bad ``{split}_unit_ids``, or shapes that differ
+            between splits.
         ValueError: ``spatial_dims`` not in (2, 3) or an unknown ``flag``.
     """
     path = Path(path).expanduser()
@@ -353,12 +411,23 @@ def load_medmnist(
         with np.load(path, allow_pickle=False) as archive:
             present = sorted(archive.files)
             arrays = {k: archive[k] for k in present if k.endswith(("_images", "_labels"))}
+            unit_arrays: dict[str, np.ndarray] = {}
+            problems: list[str] = []
+            for s in splits:
+                key = f"{s}{UNIT_IDS_SUFFIX}"
+                if key in present:
+                    try:
+                        unit_arrays[s] = archive[key]
+                    except ValueError as err:  # object arrays need pickle, which is refused
+                        problems.append(
+                            f"{key} could not be read without pickle ({err}); save unit ids as "
+                            "integers or strings (np.asarray(ids, dtype=str))"
+                        )
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as err:
         raise DataValidationError(
             path, [f"could not be read by numpy.load ({err}); re-download or re-save the file"]
         ) from err
 
-    problems: list[str] = []
     missing = [
         f"{s}_{part}"
         for s in splits
@@ -449,9 +518,14 @@ def load_medmnist(
                 "and multi-class labels must be one column"
             )
         label_arrays[s] = lab
+        if s in unit_arrays:
+            problems.extend(
+                unit_id_array_problems(f"{s}{UNIT_IDS_SUFFIX}", unit_arrays[s], len(img))
+            )
 
     # Number of classes: explicit > medmnist.INFO > data; labels must fit the declared range.
     multilabel = ref_label_cols is not None and ref_label_cols > 1
+    classes_from = "label columns (multi-label)"
     info_labels = dict(info["label"]) if info else {}
     if info is not None and "multi-label" in str(info.get("task", "")) and not multilabel:
         if label_arrays:
@@ -466,18 +540,26 @@ def load_medmnist(
                 f"num_classes={num_classes} but the multi-label matrices have {n_classes} columns"
             )
     else:
+        if num_classes is not None and (isinstance(num_classes, bool) or num_classes < 1):
+            problems.append(f"num_classes={num_classes!r}: must be an integer >= 1")
+            num_classes = None
         declared = num_classes if num_classes is not None else (len(info_labels) or None)
         observed_max = max((int(a.max()) for a in label_arrays.values() if a.size), default=-1)
         n_classes = declared if declared is not None else observed_max + 1
         if declared is not None:
             source = "num_classes" if num_classes is not None else f"medmnist.INFO[{flag!r}]"
+            classes_from = source
             for s, lab in label_arrays.items():
                 if (over := int((lab >= declared).sum())) > 0:
                     problems.append(
-                        f"{s}_labels has {over} label(s) >= {declared} (max {int(lab.max())}), "
-                        f"outside the {declared} classes declared by {source}; fix the labels "
-                        "or pass num_classes / flag for the right dataset"
+                        f"{s}_labels has {over} label(s) >= {declared} (offending values "
+                        f"{_values(lab[lab >= declared])}), outside the {declared} classes "
+                        f"0..{declared - 1} declared by {source}; fix the labels or declare the "
+                        "right classes (num_classes, data.num_classes in a run config, or flag)"
                     )
+        else:
+            classes_from = "largest label + 1 (classes not declared)"
+            problems.extend(_undeclared_gap_problems(label_arrays, observed_max))
 
     if problems:
         raise DataValidationError(path, problems)
@@ -485,10 +567,13 @@ def load_medmnist(
 
     out_splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     counts: dict[str, list[int]] = {}
+    unit_ids: dict[str, list[str]] = {}
     for s in usable:
         img, lab = arrays[f"{s}_images"], label_arrays[s]
         if max_per_split is not None:
             img, lab = img[:max_per_split], lab[:max_per_split]
+        if s in unit_arrays:
+            unit_ids[s] = as_unit_id_strings(unit_arrays[s])[: len(lab)]
         images = _to_channel_first_float(img, layout)
         labels = torch.from_numpy(np.ascontiguousarray(lab).astype(np.int64))
         out_splits[s] = (images, labels)
@@ -514,4 +599,6 @@ def load_medmnist(
         sha256=sha256_file(path),
         class_counts=counts,
         flag=flag,
+        unit_ids=unit_ids,
+        num_classes_source=classes_from,
     )

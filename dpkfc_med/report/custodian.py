@@ -108,7 +108,7 @@ def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
             _put(private, dotted, value)
             moved.append(dotted)
     p = shareable.get("privacy") or {}
-    custodian = {
+    custodian: dict[str, Any] = {
         "schema": CUSTODIAN_SCHEMA,
         "banner": (
             "computed from the private records without noise; not "

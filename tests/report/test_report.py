@@ -31,9 +31,9 @@ from dpkfc_med.report import (
     validate_report,
     write_report,
 )
+from dpkfc_med.report import environment as env_module
 from dpkfc_med.report.custodian import CUSTODIAN_FILES, CUSTODIAN_ONLY
 from dpkfc_med.report.render import render_custodian_markdown
-from dpkfc_med.report import environment as env_module
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DELETE = object()
@@ -636,3 +636,38 @@ def test_auto_refresh_schedule_is_stated_with_its_estimate():
     md = render_markdown(report)
     assert "then every 50 steps (refresh_every: auto; refreshes estimated at 3.1 %" in md
     assert "budget 5 %" in md
+
+
+def test_headline_banners_audit_unit_note_and_eig_fallbacks_are_rendered():
+    report = example_report()
+    report["privacy"]["headline_warnings"] = [
+        "NOT A VALID DP RELEASE: seeded noise.",
+        "The RDP cross-check gives epsilon 2.100, above the target 2.000.",
+    ]
+    report["audit"] = {
+        "epsilon_lower_bound": 0.41234,
+        "epsilon_accounted": 1.23401,
+        "delta": 1e-5,
+        "canaries": 1000,
+        "confidence": 0.95,
+        "correct_guesses": 57,
+    }
+    report["data"]["unit_note"] = {"statement": "Up to 2 images per patient: (2.47, 3.4e-5)."}
+    report["preconditioner"]["eig_fallbacks"] = [
+        {"refresh_step": 0, "layer": "features.conv0", "factor": "A", "used": "float64"}
+    ]
+    assert validate_report(report) == []
+    md = render_markdown(report)
+    blocks = md.split("\n\n")
+    assert blocks[1] == "> **NOT A VALID DP RELEASE:** NOT A VALID DP RELEASE: seeded noise."
+    assert blocks[2].startswith("> **Accountants disagree:** The RDP cross-check")
+    assert (
+        "| Empirical privacy audit | empirical lower bound 0.413 against the accounted 1.235 "
+        "(one-run canary audit, 1000 canaries, confidence 0.95) |"
+    ) in md
+    assert "## Empirical privacy audit" in md and "| Correct guesses | 57 |" in md
+    assert "| Patients with several images | Up to 2 images per patient" in md
+    assert "| 0 | features.conv0 | A | float64 |" in md
+    bad = copy.deepcopy(report)
+    del bad["audit"]["canaries"]
+    assert "audit.canaries: missing" in validate_report(bad)

@@ -71,7 +71,8 @@ def test_train_2d_dp_kfc_report_and_evaluate(tmp_path, capsys):
         "privacy_report.json",
         "privacy_report.md",
         "model.pt",
-        "metrics.json",
+        "private_not_for_release/metrics.json",
+        "private_not_for_release/custodian_report.json",
         "ledger.json",
     ):
         assert (out / name).is_file(), name
@@ -83,13 +84,18 @@ def test_train_2d_dp_kfc_report_and_evaluate(tmp_path, capsys):
     assert rep["privacy"]["epsilon"]["prv"] <= 4.0
     assert rep["preconditioner"]["uses_private_data"] is False
     assert [r["step"] for r in rep["preconditioner"]["refreshes"]] == [0, 2, 4]
-    assert 0.0 <= rep["metrics"]["test"]["auroc"] <= 1.0
+    private = json.loads((out / "private_not_for_release" / "custodian_report.json").read_text())
+    assert 0.0 <= private["metrics"]["test"]["auroc"] <= 1.0 and "metrics" not in rep
     md = (out / "privacy_report.md").read_text()
     assert "probe" in md.lower()
-    # evaluate on another MedMNIST-format file of the same task
+    # evaluate on another MedMNIST-format file of the same task; results are custodian-only
     assert main(["evaluate", str(out), "--data", str(BALANCED), "--split", "val"]) == 0
-    ev = json.loads((out / "evaluations" / "pneumoniamnist_balanced_val.json").read_text())
+    saved = out / "private_not_for_release" / "evaluations" / "pneumoniamnist_balanced_val.json"
+    ev = json.loads(saved.read_text())
     assert ev["n"] == 270 and 0 <= ev["accuracy"] <= 1
+    assert not (out / "evaluations").exists()
+    assert ev["overlap_with_training"]["checked"] and ev["overlap_with_training"]["training"] == 96
+    assert ev["not_dp"] is (ev["overlap_with_training"]["shared"] > 0)
     assert main(["report", str(out)]) == 0
 
 
@@ -160,6 +166,16 @@ def _bad_npz(tmp_path: Path, **changes) -> Path:
         ("missing_file", r"could not find data"),
         ("missing_key", r"test_labels"),
         ("label_range", r"label"),
+        (
+            "label_outside_declared",
+            r"site\.npz: 1 problem found:\n  - train_labels has 2 label\(s\) >= 2 \(offending "
+            r"values \[5\]\), outside the 2 classes 0..1 declared by num_classes",
+        ),
+        ("labels_skip_a_class", r"(?s)site\.npz.*labels skip class\(es\) \[2, 3, 4\]"),
+        (
+            "unit_ids_bad_rows",
+            r"units\.csv: 1 problem found:\n  - 19 of the 20 training indices have no row",
+        ),
         ("non_finite", r"non-finite|NaN"),
         ("empty_split", r"empty"),
         ("impossible_budget", r"target_epsilon"),
@@ -184,6 +200,18 @@ def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, caps
     elif case == "label_range":
         sections["data"] = {
             "path": str(_bad_npz(tmp_path, train_labels=np.full((20, 1), 7, np.uint8)))
+        }
+    elif case in ("label_outside_declared", "labels_skip_a_class"):
+        labels = np.load(PNEUMONIA)["train_labels"][:20].copy()
+        labels[[3, 11]] = 5
+        path = _bad_npz(tmp_path, train_labels=labels).rename(tmp_path / "site.npz")
+        declared = {"num_classes": 2} if case == "label_outside_declared" else {}
+        sections["data"] = {"path": str(path), **declared}
+    elif case == "unit_ids_bad_rows":
+        (tmp_path / "units.csv").write_text("index,unit_id\n0,patient_1\n")
+        sections["data"] = {
+            "path": str(_bad_npz(tmp_path)),
+            "unit_ids": str(tmp_path / "units.csv"),
         }
     elif case == "non_finite":
         imgs = np.load(PNEUMONIA)["train_images"][:20].astype(np.float32)
@@ -239,19 +267,108 @@ def test_nonprivate_run_reports_no_guarantee(tmp_path):
     assert "NO PRIVACY GUARANTEE" in (out / "privacy_report.md").read_text()
 
 
+def _disjoint_proxy(tmp_path: Path) -> Path:
+    """A public proxy of real X-rays that are not in the private training split.
+
+    The balanced file's *training* images are all in pneumoniamnist.npz's training split
+    (SOURCES.md), its test images are not; a file name without a MedMNIST flag.
+    """
+    src = np.load(BALANCED)
+    images, labels = src["test_images"], src["test_labels"]
+    arrays = {
+        f"{s}_{k}": v
+        for s in ("train", "val", "test")
+        for k, v in (("images", images), ("labels", labels))
+    }
+    path = tmp_path / "public_xrays.npz"
+    np.savez(path, **arrays)
+    return path
+
+
 def test_public_proxy_is_labelled_as_external_data(tmp_path):
     out = tmp_path / "pub"
     cfg = _config(
         tmp_path,
         method="dp-kfc-public",
-        probes={"public_data": str(BALANCED), "num_probes": 16},
+        probes={"public_data": str(_disjoint_proxy(tmp_path)), "num_probes": 16},
         training={"epochs": 1},
     )
     assert main(["train", str(cfg), "--out", str(out)]) == 0
     pre = _report(out)["preconditioner"]
     assert pre["uses_private_data"] is False
-    assert pre["external_data"]["path"].endswith("pneumoniamnist_balanced.npz")
+    assert pre["external_data"]["path"].endswith("public_xrays.npz")
     assert len(pre["external_data"]["sha256"]) == 64
+    assert pre["probe_source"]["overlap_with_private_train"] == 0
+    assert pre["probe_source"]["same_dataset_as_private"] is None
+
+
+def test_public_proxy_sharing_private_images_is_refused(tmp_path, capsys):
+    """pneumoniamnist_balanced's training images are a subset of the private training split."""
+    out = tmp_path / "pub"
+    probes = {"public_data": str(BALANCED), "num_probes": 16}
+    cfg = _config(tmp_path, method="dp-kfc-public", probes=probes, training={"epochs": 1})
+    assert main(["train", str(cfg), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"probes.public_data='{BALANCED.resolve()}' overlaps the private training split" in err
+    assert f"{PNEUMONIA.resolve()} (4708 images)" in err
+    assert "2428 of its training images are identical to private ones" in err
+    assert "same MedMNIST dataset ('pneumoniamnist')" in err
+    assert "probes.allow_public_overlap: true" in err
+    assert not out.exists() or not (out / "run.json").exists()
+    # With the explicit override the run goes ahead, and the overlap is on record.
+    probes["allow_public_overlap"] = True
+    cfg = _config(tmp_path, method="dp-kfc-public", probes=probes, training={"epochs": 1})
+    assert main(["train", str(cfg), "--out", str(out)]) == 0
+    src = _report(out)["preconditioner"]["probe_source"]
+    assert src["overlap_with_private_train"] == 2428 and src["uses_private_data"] is True
+    assert src["note"].startswith("shares 2428 images with the private training set")
+    assert "NOT covered by the guarantee" in src["note"]
+
+
+def test_same_medmnist_dataset_at_another_resolution_is_refused(tmp_path):
+    """Content hashes cannot match resized copies; the shared MedMNIST flag does."""
+    from dpkfc_med.training.tasks import PublicProbeSource
+
+    private = tmp_path / "adrenalmnist3d.npz"
+    src = dict(np.load(ADRENAL))
+    np.savez(private, **{k: v[:12] for k, v in src.items()})
+    public = tmp_path / "adrenalmnist3d_56.npz"  # the same glands, upsampled 2x
+    up = {
+        k: v[:6].repeat(2, 1).repeat(2, 2).repeat(2, 3) if "images" in k else v[:6]
+        for k, v in src.items()
+    }
+    np.savez(public, **up)
+    from dpkfc_med.data import load_medmnist
+
+    kw = {"spatial_shape": (28, 28, 28), "channels": 1, "num_classes": 2, "task": "classification"}
+    with pytest.raises(ValueError, match=r"same MedMNIST dataset \('adrenalmnist3d'\)"):
+        PublicProbeSource(str(public), private=load_medmnist(private), **kw)
+    ok = PublicProbeSource(str(public), private=load_medmnist(private), allow_overlap=True, **kw)
+    assert ok.describe()["overlap_with_private_train"] == 0
+    assert ok.describe()["same_dataset_as_private"] == "adrenalmnist3d"
+    assert "NOT covered by the guarantee" in ok.describe()["note"]
+
+
+def test_patient_units_end_to_end(tmp_path):
+    """A unit-id CSV makes the patient the unit of the run, its delta and its report."""
+    csv = tmp_path / "adrenal_patients.csv"
+    rows = [f"{i},patient_{i // 2}" for i in range(1188)]  # two glands per patient
+    csv.write_text("index,unit_id\n" + "\n".join(rows) + "\n")
+    cfg = _config(
+        tmp_path,
+        method="dp-sgd",
+        data={"path": str(ADRENAL), "max_train": 24, "max_eval": 16, "unit_ids": str(csv)},
+        training={"epochs": 1, "batch_size": 8},
+    )
+    out = tmp_path / "units"
+    assert main(["train", str(cfg), "--out", str(out)]) == 0
+    rep = _report(out)
+    assert rep["data"]["privacy_unit"] == "patient (unit ids from adrenal_patients.csv)"
+    assert rep["data"]["num_train_units"] == 24 and rep["data"]["max_samples_per_unit"] == 2
+    assert rep["data"]["units"]["images_per_unit"]["max"] == 2
+    assert rep["privacy"]["sample_rate"] == pytest.approx(1 / 3)  # 8 of 24 patients
+    assert "one patient (unit ids from adrenal_patients.csv)" in rep["privacy"]["guarantee"]
+    assert rep["privacy"]["delta"] <= 1 / 24
 
 
 def test_resize_reaches_network_probes_and_report(tmp_path):
