@@ -11,6 +11,10 @@ override only ``clip_and_accumulate`` (and ``add_noise`` when the OS CSPRNG repl
 3. flat L2 clipping of the concatenated transformed gradient of every unit to ``C`` and
    summation; diagnostics are recorded on the way.
 
+Between the clipped sum and the noise, :meth:`~ScaleThenPrivatizeOptimizer.run_pre_noise_hooks`
+calls the optimizer's ``pre_noise_hooks`` (none by default): the one place where extra units
+may join the clipped sum, used by the empirical audit (:mod:`.audit`) to add its canaries.
+
 Noise ``N(0, sigma^2 C^2 I)`` is then added to the sum and divided by the expected batch size
 (expected number of units) by the inherited stages; the base optimizer steps in the
 transformed coordinates (``preconditioner.step="transformed"``), or on the average multiplied
@@ -126,6 +130,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         self.record_diagnostics = diagnostics
         self.last_diagnostics = StepDiagnostics()
         self.post_step_hooks: list[Callable[[ScaleThenPrivatizeOptimizer], None]] = []
+        self.pre_noise_hooks: list[Callable[[ScaleThenPrivatizeOptimizer], None]] = []
 
     # ------------------------------------------------------------------------ units
     def set_unit_ids(self, unit_ids: Tensor | None) -> None:
@@ -225,8 +230,28 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             layer_share=share,
         )
 
+    def run_pre_noise_hooks(self) -> None:
+        """Call every ``pre_noise_hooks`` entry with the optimizer, once per noisy step.
+
+        Runs after ``clip_and_accumulate`` and right before the noise is drawn, so a hook sees
+        (and may add to) ``p.summed_grad``, the transformed, per-unit clipped sum. With no hook
+        registered this does nothing, and the step is bit-for-bit the one without this stage.
+
+        Privacy guarantee:
+            A hook that adds vectors independent of the private data, each of norm at most
+            ``C`` (extra units, such as the audit's canaries), leaves the guarantee for every
+            real unit as stated. A hook that reads private data, or adds more than ``C`` per
+            extra unit, is outside it.
+        """
+        for hook in self.pre_noise_hooks:
+            hook(self)
+
     def add_noise(self) -> None:
-        """Gaussian noise ``N(0, sigma^2 C^2)``: Opacus' generator, or the OS CSPRNG."""
+        """Gaussian noise ``N(0, sigma^2 C^2)``: Opacus' generator, or the OS CSPRNG.
+
+        The pre-noise hooks (:meth:`run_pre_noise_hooks`) run first.
+        """
+        self.run_pre_noise_hooks()
         if not self.os_secure:
             super().add_noise()
             return

@@ -1,0 +1,268 @@
+"""The ``dpkfc-med audit`` run: the configured mechanism with canaries, and its lower bound.
+
+One audit is one training run of the configuration through :func:`~.loop.train`, unchanged
+(same data, Poisson sampler, clipping unit, preconditioner, noise and accountant), with
+:class:`~dpkfc_med.privacy.audit.DiracCanaries` attached to the private optimizer before the
+first step. It writes, into its own run directory (``runs/{name}_audit`` by default, never a
+training run's):
+
+* everything a training run writes (the model there includes the canaries: not a release);
+* ``audit.json``: the empirical lower bound on epsilon next to the accounted epsilon, with
+  the counts, the guess rule and the bound used (:data:`AUDIT_FILE`);
+* an ``"audit"`` block with the same numbers in ``privacy_report.json``, whose views are
+  re-rendered.
+
+The audit is a check of the implementation, not a privacy claim: a lower bound above the
+accounted epsilon refutes the claimed guarantee (at the stated confidence); a lower bound
+below it is what a correct implementation must show, and says nothing about how tight the
+accounting is beyond the bound itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import time
+from dataclasses import dataclass, field
+from decimal import ROUND_FLOOR, Decimal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpkfc_med.privacy.audit import DEFAULT_CONFIDENCE, DiracCanaries
+from dpkfc_med.training.config import ConfigError, Method, RunConfig
+from dpkfc_med.training.loop import RUN_JSON, RunResult, _write_json, train
+
+__all__ = [
+    "AUDIT_FILE",
+    "DEFAULT_CANARIES",
+    "AuditRun",
+    "audit_run_dir",
+    "format_audit",
+    "run_audit",
+]
+
+AUDIT_FILE = "audit.json"
+AUDIT_SCHEMA = "dpkfc_med.audit/1"
+DEFAULT_CANARIES = 5000
+"""Default ``M``, chosen for power on the README demo (benchmarks/audit.py): more canaries
+mean more guesses but a larger ``2 M delta`` term in the bound, fewer lose power."""
+
+CANARY_DESIGN = (
+    "white-box Dirac gradient canaries: canary j owns one coordinate of the flattened vector of "
+    "all trainable parameters (M distinct coordinates drawn at random); each canary is included "
+    "with probability 1/2; in every noisy step each included canary is Poisson-sampled at the "
+    "run's sample rate q and, when drawn, adds C e_j (norm exactly the clip norm C) to the "
+    "clipped sum (in DP-KFC: the preconditioned gradients) right before the noise"
+)
+SCORE = (
+    "sum over all noisy steps of coordinate j of the released noisy sum (Opacus' p.grad after "
+    "the noise, times the expected batch size; with preconditioner.step=natural the released "
+    "update after its second product with P, a valid but weaker score)"
+)
+RANDOMNESS = (
+    "canary inclusion, placement and per-step draws come from a generator seeded with 128 bits "
+    "of OS entropy (secrets), independent of training.seed and of the run's own randomness"
+)
+NOT_A_RELEASE = (
+    "This run trained on the data plus the included canaries to measure the mechanism: its model "
+    "and report describe the audit, not a release. The bound holds for the mechanism as run "
+    "(same sampler, clipping unit, preconditioner, noise and accountant as the configuration)."
+)
+
+
+@dataclass
+class AuditRun:
+    """What :func:`run_audit` returns.
+
+    Attributes:
+        run_dir: the audit's run directory.
+        audit: the ``audit.json`` record.
+        training: the training run's result (with canaries).
+    """
+
+    run_dir: Path
+    audit: dict[str, Any]
+    training: RunResult = field(repr=False)
+
+
+def audit_run_dir(cfg: RunConfig, out: str | Path | None = None) -> Path:
+    """The audit's run directory: ``out``, else the config's run directory plus ``_audit``."""
+    return Path(out) if out else Path(f"{cfg.run_dir()}_audit")
+
+
+def _problems(cfg: RunConfig, canaries: Any, confidence: Any, run_dir: Path) -> list[str]:
+    problems = []
+    if not cfg.method_enum.private:
+        private = [m.value for m in Method if m.private]
+        problems.append(
+            f"method={cfg.method_enum.value} (--method): an audit measures a private mechanism "
+            f"and a non-private run has none; choose --method {' | '.join(private)}"
+        )
+    if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
+        problems.append(
+            f"canaries={canaries!r} (--canaries): the audit needs at least 2 canaries (one guess "
+            f"each way); use the default {DEFAULT_CANARIES} or e.g. --canaries 1000"
+        )
+    if not (isinstance(confidence, (int, float)) and 0 < confidence < 1):
+        problems.append(f"confidence={confidence!r} (--confidence): must be in (0, 1), e.g. 0.95")
+    if (run_dir / RUN_JSON).is_file():
+        problems.append(
+            f"output.dir: {run_dir} already holds a run (a training run or an earlier audit); an "
+            "audit trains with canaries and never reuses a run directory: choose another --out "
+            "or remove that directory"
+        )
+    return problems
+
+
+def run_audit(
+    cfg: RunConfig,
+    *,
+    out: str | Path | None = None,
+    canaries: int | None = None,
+    confidence: float | None = None,
+    rng: np.random.Generator | None = None,
+) -> AuditRun:
+    """Train ``cfg`` once with ``canaries`` canaries and write ``audit.json``.
+
+    Args:
+        cfg: the validated configuration (a private method).
+        out: the audit's run directory (default :func:`audit_run_dir`).
+        canaries: ``M``, at most the model's number of trainable coordinates (default
+            :data:`DEFAULT_CANARIES`).
+        confidence: confidence of the lower bound (default 0.95).
+        rng: generator for the canaries (tests only); default seeded from OS entropy.
+
+    Returns:
+        The :class:`AuditRun`.
+
+    Raises:
+        ConfigError: naming every bad input and its flag (non-private method, too few
+            canaries, a confidence outside (0, 1), a run directory that already holds a run).
+
+    Privacy guarantee:
+        The audit run executes the configured mechanism on the data plus the included canaries;
+        its accounted epsilon is the configuration's. The audit's canaries are random vectors
+        independent of the data; the scores and guesses are post-processing of the released
+        noisy sums.
+    """
+    canaries = DEFAULT_CANARIES if canaries is None else canaries
+    confidence = DEFAULT_CONFIDENCE if confidence is None else confidence
+    run_dir = audit_run_dir(cfg, out)
+    problems = _problems(cfg, canaries, confidence, run_dir)
+    if problems:
+        raise ConfigError(problems, "audit")
+    cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=str(run_dir)))
+    injector = DiracCanaries(int(canaries), rng=rng)
+
+    def instrument(engine: Any, optimizer: Any) -> None:
+        injector.attach(optimizer, sample_rate=engine.sample_rate)
+
+    t0 = time.perf_counter()
+    result = train(cfg, instrument=instrument)
+    seconds = time.perf_counter() - t0
+    privacy = result.report["privacy"]
+    delta = float(privacy["delta"])
+    outcome = injector.result(delta=delta, confidence=confidence)
+    accounted = dict(privacy["epsilon"])
+    primary = float(accounted[privacy.get("accountant", "prv")])
+    lower = outcome.epsilon_lower_bound
+    record: dict[str, Any] = {
+        "schema": AUDIT_SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "epsilon_lower_bound": lower,
+        "epsilon_accounted": primary,
+        "epsilon_accounted_all": accounted,
+        "accountant": privacy.get("accountant", "prv"),
+        "delta": delta,
+        "confidence": confidence,
+        "canaries": outcome.canaries,
+        "canaries_included": outcome.included,
+        "guesses": outcome.guesses,
+        "correct": outcome.correct,
+        "k_plus": outcome.k_plus,
+        "k_minus": outcome.k_minus,
+        "guess_rule": outcome.guess_rule,
+        "candidates": outcome.candidates,
+        "verdict": _verdict(lower, primary, confidence),
+        "method": cfg.method_enum.value,
+        "run": {
+            "name": cfg.name,
+            "run_dir": str(run_dir),
+            "status": result.status,
+            "config_sha256": cfg.sha256(),
+            "seconds": round(seconds, 1),
+        },
+        "mechanism": {
+            "steps": injector.steps_read,
+            "sample_rate": injector.sample_rate,
+            "noise_multiplier": privacy.get("noise_multiplier"),
+            "max_grad_norm": injector.clip_norm,
+            "expected_draws_per_included_canary": injector.sample_rate * injector.steps_read,
+        },
+        "canary_design": CANARY_DESIGN,
+        "score": SCORE,
+        "randomness": RANDOMNESS,
+        "bound": outcome.bound,
+        "note": NOT_A_RELEASE,
+    }
+    _write_json(run_dir / AUDIT_FILE, record)
+    _add_to_report(run_dir, record)
+    return AuditRun(run_dir, record, result)
+
+
+def _verdict(lower: float, accounted: float, confidence: float) -> str:
+    if lower > accounted:
+        return (
+            f"REFUTED: the lower bound {lower:.3f} exceeds the accounted epsilon "
+            f"{accounted:.3f}; at confidence {confidence:g} the implementation does not give "
+            "the stated guarantee"
+        )
+    return (
+        f"consistent: the lower bound {lower:.3f} does not exceed the accounted epsilon "
+        f"{accounted:.3f}"
+    )
+
+
+def _add_to_report(run_dir: Path, record: dict[str, Any]) -> None:
+    """Put the audit numbers into ``privacy_report.json`` and re-render its views."""
+    from dpkfc_med.report import load_report, write_report
+
+    keys = (
+        "epsilon_lower_bound",
+        "epsilon_accounted",
+        "delta",
+        "confidence",
+        "canaries",
+        "guesses",
+        "correct",
+        "k_plus",
+        "k_minus",
+        "guess_rule",
+        "verdict",
+        "method",
+        "bound",
+        "note",
+    )
+    report = load_report(run_dir)
+    report["audit"] = {k: record[k] for k in keys} | {"file": AUDIT_FILE}
+    # write_report validates, writes the JSON atomically and re-renders the views from it
+    # (what rerender() does from the file).
+    write_report(report, run_dir)
+
+
+def format_audit(record: dict[str, Any]) -> str:
+    """Two console lines: the lower bound (rounded down) next to the accounted epsilon (up)."""
+    from dpkfc_med.report import format_delta, format_epsilon
+
+    low = Decimal(repr(float(record["epsilon_lower_bound"])))
+    low_text = f"{low.quantize(Decimal('0.001'), rounding=ROUND_FLOOR):f}"
+    return (
+        f"audit: epsilon >= {low_text} (empirical lower bound at confidence "
+        f"{record['confidence']:g}: {record['correct']}/{record['guesses']} correct guesses on "
+        f"{record['canaries']} canaries)\n"
+        f"privacy: epsilon <= {format_epsilon(record['epsilon_accounted'])} at delta = "
+        f"{format_delta(record['delta'])} (accounted, {record['accountant'].upper()}); "
+        f"{record['verdict'].split(':')[0]}"
+    )
