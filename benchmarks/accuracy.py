@@ -167,7 +167,8 @@ def _config(
         {
             "name": f"{suite}_{method}_eps{eps:g}_lr{lr:g}_s{seed}",
             "method": "dp-sgd" if spec["method"] == "opacus" else spec["method"],
-            "privacy": {"target_epsilon": eps, "max_grad_norm": 1.0},
+            # research protocol: every method sees the same batches and noise per seed
+            "privacy": {"target_epsilon": eps, "max_grad_norm": 1.0, "reproducible_noise": True},
             "training": {"lr": lr, "momentum": 0.9, "seed": seed, "progress": False},
             "output": {"dir": str(out / "{name}")},
         },

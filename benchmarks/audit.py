@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,24 +29,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from accuracy import _git_commit, _load  # noqa: E402
+
 from dpkfc_med.training.audit import DEFAULT_CANARIES, run_audit  # noqa: E402
 from dpkfc_med.training.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
 OUT = ROOT / "benchmarks" / "results" / "audit_pneumonia_cnn.json"
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {"runs": []}
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:

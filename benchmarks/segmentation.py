@@ -57,6 +57,8 @@ def _run(base: dict[str, Any], method: str, lr: float, seed: int, runs_dir: Path
                 "name": name,
                 "method": method,
                 "training": {"lr": lr, "seed": seed, "progress": False},
+                # research protocol: the same batches and noise for every method per seed
+                "privacy": {"reproducible_noise": True},
                 "output": {"dir": str(runs_dir / name)},
             },
         )
