@@ -63,7 +63,7 @@ from dpkfc_med.training.plan import (
 )
 from dpkfc_med.training.tasks import Task, build_task
 
-__all__ = ["PlanError", "RunInterrupted", "RunResult", "plan_privacy", "train"]
+__all__ = ["PlanError", "RunInterrupted", "RunResult", "noise_only_step", "plan_privacy", "train"]
 
 CHECKPOINT = "checkpoint.pt"
 LEDGER = "ledger.json"
@@ -612,11 +612,8 @@ def _train_epoch(
         popt.zero_grad(set_to_none=True)
         if len(x) == 0:
             loss_value = float("nan")
-            # An empty Poisson batch is still a noisy step (noise only): take it.
             if engine is not None:
-                out = pmodel(x)
-                (out.sum() * 0).backward()
-                popt.step()
+                noise_only_step(popt)
         else:
             out = pmodel(x)
             loss = task.loss(out, y)
@@ -635,6 +632,19 @@ def _train_epoch(
         bar.set_postfix(loss=f"{loss_value:.3f}", eps=f"{state.eps_shown:.2f}", img_s=f"{rate:.0f}")
     _fill_epsilon(state, engine)
     log.info("epoch %d done: %d samples, %.1f s", state.epoch + 1, seen, time.perf_counter() - t0)
+
+
+def noise_only_step(popt: Any) -> None:
+    """Take the noisy step of an empty Poisson batch: zero clipped sum, full noise, one ledger step.
+
+    An empty batch is part of the sampled mechanism and must still be noised and accounted.
+    No forward/backward pass runs: per-sample gradient hooks of some layers (those Opacus
+    computes with ``functorch.vmap``, e.g. ``PReLU``) cannot take a batch of zero samples, so
+    every parameter is given an empty per-sample gradient ``[0, *shape]`` directly.
+    """
+    for p in popt.params:
+        p.grad_sample = p.new_zeros((0, *p.shape))
+    popt.step()
 
 
 def _fill_epsilon(state: _Run, engine: PrivacyEngine | None) -> None:

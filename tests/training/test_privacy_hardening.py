@@ -236,3 +236,48 @@ def test_segmentation_probe_settings_never_come_from_private_headers(tmp_path, c
     rep = _report(out)
     assert rep["data"]["spacing_source"] == "data.spacing"
     assert rep["data"]["num_classes_source"] == "data.num_classes"
+
+
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
+def test_an_empty_poisson_batch_is_a_noisy_step_for_any_layer(method):
+    """PReLU's per-sample gradient comes from functorch, which cannot vmap over 0 samples."""
+    from torch import nn
+
+    from dpkfc_med.training.loop import noise_only_step
+    from tests.conftest import GaussianProbes, per_sample_ce
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.PReLU(),
+        nn.GroupNorm(2, 4),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 2),
+    )
+    data = TensorDataset(torch.randn(8, 1, 8, 8), torch.randint(0, 2, (8,)))
+    engine = PrivacyEngine()
+    kw = {}
+    if method == "dp-kfc":
+        kw = {"probe_source": GaussianProbes((1, 8, 8)), "probe_loss": per_sample_ce}
+    pm, popt, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        delta=1e-5,
+        method=method,
+        refresh_every=0,
+        **kw,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    popt.zero_grad(set_to_none=True)
+    noise_only_step(popt)
+    assert engine.ledger.steps == 1 and popt.steps_taken == 1
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # noised
+    # the next real batch still works after an empty one
+    x, y = data.tensors
+    popt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(pm(x), y).backward()
+    popt.step()
+    assert engine.ledger.steps == 2
