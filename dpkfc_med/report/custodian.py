@@ -55,6 +55,7 @@ CUSTODIAN_ONLY: dict[str, str] = {
     "data.class_counts": "class counts of the private splits",
     "data.sha256": "fingerprint of the private data (a membership oracle for the whole dataset)",
     "data.split": "case ids of each split (who is in the training set)",
+    "data.units": "images per patient and image counts of the patient-id mapping",
 }
 """Dotted report field -> what it is; all move from the shareable to the custodian report."""
 

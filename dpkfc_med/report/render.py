@@ -523,7 +523,9 @@ def _randomness(p: Mapping[str, Any]) -> str:
     return "n/a"
 
 
-def _samples(n: int) -> str:
+def _samples(n: int | None) -> str:
+    if n is None:  # patient units: the most images one patient has is a private statistic
+        return "any number of samples"
     return "1 sample" if n == 1 else f"{n} samples"
 
 
@@ -748,8 +750,9 @@ def build_custodian_document(custodian: Mapping[str, Any]) -> list[Block]:
         doc.append(
             Table(("File", "SHA-256"), [(Span(f), Span(h)) for f, h in data["sha256"].items()])
         )
-    if data.get("class_counts"):
-        doc += _nested_blocks({"class_counts": data["class_counts"]}, None)
+    for key in ("class_counts", "units"):
+        if data.get(key):
+            doc += _nested_blocks({key: data[key]}, None)
     if data.get("split"):
         rows = [(k, ", ".join(map(str, v))) for k, v in data["split"].items()]
         doc.append(Table(("Split", "Case ids"), rows))

@@ -347,7 +347,7 @@ _DATA = _fields(
         "splits": _mapping_of(_integer(0), "a mapping split -> number of samples"),
         "num_train_units": _integer(1),
         "privacy_unit": _string,
-        "max_samples_per_unit": _integer(1),
+        "max_samples_per_unit": _nullable(_integer(1)),
     }
 )
 _MODEL = _fields(

@@ -974,7 +974,8 @@ def build_report(
             **task.data_record,
             "num_train_units": n_units,
             "privacy_unit": task.privacy_unit,
-            "max_samples_per_unit": task.max_samples_per_unit,
+            # a bound read off the private data (images per patient) stays with the custodian
+            "max_samples_per_unit": task.max_samples_per_unit if task.max_samples_public else None,
             "unit_note": _unit_note(task, privacy),
         },
         "model": {

@@ -56,6 +56,10 @@ class Task:
             ``"patient (unit ids from FILE)"``, ``"patient/volume"``); the neighbouring
             relation is adding or removing one of them.
         max_samples_per_unit: The most samples (images, patches) one unit contributes.
+        max_samples_public: Whether ``max_samples_per_unit`` is fixed by the config or the
+            unit's definition (patches per volume, one image) rather than read off the private
+            data (the most images one patient has); only a public value enters the shareable
+            report.
         unit_note: ``None``, or a machine-readable statement that the unit is smaller than a
             patient (several images per patient), from :func:`dpkfc_med.units.unit_note_for`:
             ``{"unit", "dataset", "group", "images_per_patient" (k or None),
@@ -77,6 +81,7 @@ class Task:
     intensity: str = "unit_range"
     extra: dict[str, Any] = field(default_factory=dict)
     unit_note: dict[str, Any] | None = None
+    max_samples_public: bool = True
 
     def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Batch-mean training loss."""
@@ -463,6 +468,9 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
             record["sha256"][csv_path.name] = sha256_file(csv_path)
         extra["collate"] = UnitCollate(data.channels, spatial_shape)
     record["splits"] = {k: len(v) for k, v in splits.items()}  # type: ignore[arg-type]
+    if units is not None:  # N units is treated as public; the image count of patients is not
+        record["units"]["train_images"] = record["splits"]["train"]
+        record["splits"]["train"] = len(train_set)  # type: ignore[arg-type]
     record["class_counts"] = data.class_counts
     return ClassificationTask(
         kind="classification",
@@ -479,6 +487,7 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
         intensity="unit_range",
         extra=extra,
         unit_note=unit_note,
+        max_samples_public=units is None,
     )
 
 

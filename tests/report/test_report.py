@@ -84,6 +84,7 @@ def example_full(**overrides):
             "splits": {"train": 546, "val": 78, "test": 156},
             "class_counts": {"train": [147, 399]},
             "split": {"train": ["case_001"], "val": ["case_002"], "test": ["case_003"]},
+            "units": {"images_per_unit": {"min": 1, "max": 2, "mean": 1.5}, "train_images": 819},
             "num_train_units": 546,
             "privacy_unit": "image",
             "max_samples_per_unit": 1,

@@ -63,8 +63,9 @@ def test_mapping_makes_the_patient_the_unit(tmp_path):
         "mean": 10 / 7,
     }
     assert len(task.data_record["sha256"]["patients.csv"]) == 64
-    # evaluation stays per image
-    assert task.data_record["splits"] == {"train": 10, "val": 4, "test": 4}
+    # the shareable split count is the number of patients; evaluation stays per image
+    assert task.data_record["splits"] == {"train": 7, "val": 4, "test": 4}
+    assert units["train_images"] == 10
     assert len(task.extra["splits"]["train"]) == 10
 
 

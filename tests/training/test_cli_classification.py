@@ -364,8 +364,11 @@ def test_patient_units_end_to_end(tmp_path):
     assert main(["train", str(cfg), "--out", str(out)]) == 0
     rep = _report(out)
     assert rep["data"]["privacy_unit"] == "patient (unit ids from adrenal_patients.csv)"
-    assert rep["data"]["num_train_units"] == 24 and rep["data"]["max_samples_per_unit"] == 2
-    assert rep["data"]["units"]["images_per_unit"]["max"] == 2
+    assert rep["data"]["num_train_units"] == 24 and rep["data"]["max_samples_per_unit"] is None
+    assert "units" not in rep["data"] and rep["data"]["splits"]["train"] == 24  # patients
+    private = json.loads((out / "private_not_for_release" / "custodian_report.json").read_text())
+    assert private["data"]["units"]["images_per_unit"]["max"] == 2
+    assert private["data"]["units"]["train_images"] == 48
     assert rep["privacy"]["sample_rate"] == pytest.approx(1 / 3)  # 8 of 24 patients
     assert "one patient (unit ids from adrenal_patients.csv)" in rep["privacy"]["guarantee"]
     assert rep["privacy"]["delta"] <= 1 / 24
