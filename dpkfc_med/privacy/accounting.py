@@ -19,8 +19,6 @@ import contextlib
 import functools
 import json
 import math
-import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -31,7 +29,7 @@ from typing import Any
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from dpkfc_med.utils import check_choice
+from dpkfc_med.utils import atomic_write_bytes, check_choice
 
 __all__ = [
     "Accountant",
@@ -299,10 +297,4 @@ class PrivacyLedger:
         """Atomically rewrite the ledger file (no-op without a path)."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".ledger-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        atomic_write_bytes(self.path, json.dumps(self.to_dict(), indent=1).encode())

@@ -22,8 +22,6 @@ with :func:`rerender`.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from dpkfc_med.report.schema import (
     to_json_data,
     validate_custodian_report,
 )
+from dpkfc_med.utils import atomic_write_bytes
 
 __all__ = ["REPORT_FILES", "load_report", "rerender", "write_report"]
 
@@ -47,30 +46,6 @@ REPORT_FILES: dict[str, str] = {
     **{f"{key}_plot": path for key, path in PLOT_FILES.items()},
 }
 """Key of :func:`write_report`'s result -> path relative to the run directory."""
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
-    try:
-        # mkstemp creates 0600 files; a report is meant to be handed on, so give it the mode
-        # an ordinary file would get under the current umask.
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_report(
@@ -107,12 +82,12 @@ def write_report(
     if custodian is not None:
         ctext = _json_text(custodian)
         cpath = run_dir / CUSTODIAN_FILES["json"]
-        _atomic_write(cpath, ctext.encode("utf-8"))
+        atomic_write_bytes(cpath, ctext.encode("utf-8"))
         written["custodian_json"] = cpath
         written.update(_write_custodian_views(json.loads(ctext), run_dir))
     text = _json_text(report)
     json_path = run_dir / REPORT_FILES["json"]
-    _atomic_write(json_path, text.encode("utf-8"))
+    atomic_write_bytes(json_path, text.encode("utf-8"))
     # Render from the JSON as stored, so rerender() reproduces these files exactly.
     return {"json": json_path, **_write_views(json.loads(text), run_dir), **written}
 
@@ -128,10 +103,10 @@ def _write_custodian_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, 
     written: dict[str, Path] = {}
     for key, png in render_custodian_plots(data).items():
         path = run_dir / CUSTODIAN_FILES[f"{key}_plot"]
-        _atomic_write(path, png)
+        atomic_write_bytes(path, png)
         written[f"custodian_{key}_plot"] = path
     path = run_dir / CUSTODIAN_FILES["markdown"]
-    _atomic_write(path, render_custodian_markdown(data).encode("utf-8"))
+    atomic_write_bytes(path, render_custodian_markdown(data).encode("utf-8"))
     written["custodian_markdown"] = path
     return written
 
@@ -141,11 +116,11 @@ def _write_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, Path]:
     written: dict[str, Path] = {}
     for key, png in plots.items():
         path = run_dir / PLOT_FILES[key]
-        _atomic_write(path, png)
+        atomic_write_bytes(path, png)
         written[f"{key}_plot"] = path
     for key, text in (("markdown", render_markdown(data)), ("html", render_html(data, plots))):
         path = run_dir / REPORT_FILES[key]
-        _atomic_write(path, text.encode("utf-8"))
+        atomic_write_bytes(path, text.encode("utf-8"))
         written[key] = path
     return written
 

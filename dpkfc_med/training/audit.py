@@ -32,7 +32,8 @@ import numpy as np
 
 from dpkfc_med.privacy.audit import DEFAULT_CONFIDENCE, DiracCanaries
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
-from dpkfc_med.training.loop import RUN_JSON, RunResult, _write_json, train
+from dpkfc_med.training.loop import RUN_JSON, RunResult, train
+from dpkfc_med.utils import write_json
 
 __all__ = [
     "AUDIT_FILE",
@@ -207,7 +208,7 @@ def run_audit(
         "bound": outcome.bound,
         "note": NOT_A_RELEASE,
     }
-    _write_json(run_dir / AUDIT_FILE, record)
+    write_json(run_dir / AUDIT_FILE, record)
     _add_to_report(run_dir, record)
     return AuditRun(run_dir, record, result)
 

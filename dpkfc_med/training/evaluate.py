@@ -34,8 +34,9 @@ from dpkfc_med.data import (
 from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
-from dpkfc_med.training.loop import _build_model, _write_json
+from dpkfc_med.training.loop import _build_model
 from dpkfc_med.training.tasks import Task, build_task
+from dpkfc_med.utils import write_json
 
 __all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run"]
 
@@ -142,7 +143,7 @@ def evaluate_run(
         **metrics,
     }
     stem = Path(task.data_record["path"]).stem
-    _write_json(run / EVALUATIONS_DIR / f"{stem}_{split}.json", out)
+    write_json(run / EVALUATIONS_DIR / f"{stem}_{split}.json", out)
     return json.loads(json.dumps(out, default=str))
 
 

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
+import io
 import json
 import logging
 import math
@@ -28,7 +29,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -62,6 +62,7 @@ from dpkfc_med.training.plan import (
     resume_replans,
 )
 from dpkfc_med.training.tasks import Task, build_task
+from dpkfc_med.utils import atomic_write_bytes, write_json
 
 __all__ = ["PlanError", "RunInterrupted", "RunResult", "noise_only_step", "plan_privacy", "train"]
 
@@ -101,36 +102,10 @@ class RunResult:
     custodian: dict[str, Any] = field(default_factory=dict)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    os.close(fd)
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write_bytes(path, json.dumps(obj, indent=1, default=_json_default).encode())
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _seed_everything(seed: int) -> None:
@@ -497,10 +472,10 @@ def _start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: _Openin
     started = (
         json.loads(run_json.read_text()).get("started") if run_json.is_file() else None
     ) or _now()
-    _write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
+    write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if not (run_dir / "config.yaml").is_file():
-        _atomic_write_bytes(run_dir / "config.yaml", text.encode())
+        atomic_write_bytes(run_dir / "config.yaml", text.encode())
     plans = _plans(run_dir)
     session = len(plans)
     changed = [f"{p}: {a!r} -> {b!r}" for p, a, b in opening.changes]
@@ -521,7 +496,7 @@ def _start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: _Openin
         "plan": opening.plan,
         "data_sha256": task.data_record.get("sha256"),
     }
-    _write_json(run_dir / PLAN_JSON, {"plans": [*plans, entry]})
+    write_json(run_dir / PLAN_JSON, {"plans": [*plans, entry]})
 
 
 def _carry_ledger(
@@ -754,7 +729,7 @@ def _finish(
             },
             run_dir / "model.pt",
         )
-        _write_json(run_dir / PRIVATE_DIR / "metrics.json", metrics)
+        write_json(run_dir / PRIVATE_DIR / "metrics.json", metrics)
         if hasattr(task, "after_training"):
             # split.json and overlays show private records: custodian part only
             task.after_training(model, run_dir / PRIVATE_DIR, state.device)  # type: ignore[attr-defined]
@@ -762,7 +737,7 @@ def _finish(
     full["privacy"]["not_covered"] = not_covered(full)
     report, custodian = split_report(full)
     write_report(report, run_dir, custodian=custodian)
-    _write_json(run_dir / RUN_JSON, {"status": status, "finished": _now(), "name": cfg.name})
+    write_json(run_dir / RUN_JSON, {"status": status, "finished": _now(), "name": cfg.name})
     eps = report["privacy"]["epsilon"]["prv"] if report["privacy"]["epsilon"] else None
     return RunResult(run_dir, status, eps, metrics, report, custodian)
 
