@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import shutil
 import time
 from dataclasses import dataclass, field
 from decimal import ROUND_FLOOR, Decimal
@@ -160,8 +161,20 @@ def run_audit(
     def instrument(engine: Any, optimizer: Any) -> None:
         injector.attach(optimizer, sample_rate=engine.sample_rate)
 
+    new_dirs = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
     t0 = time.perf_counter()
-    result = train(cfg, instrument=instrument)
+    try:
+        result = train(cfg, instrument=instrument)
+    except ValueError as err:
+        if injector.steps_injected or not str(err).startswith(f"canaries={injector.num}:"):
+            raise
+        # Refused while attaching, before the first step: nothing was spent, and the folder is
+        # this audit's own (it held no run), so no incomplete audit is left behind.
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for d in new_dirs[1:]:  # the parents this audit created, if left empty
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise ConfigError([f"{err} (--canaries)"], "audit") from None
     seconds = time.perf_counter() - t0
     privacy = result.report["privacy"]
     delta = float(privacy["delta"])

@@ -379,6 +379,8 @@ def test_cli_audit_writes_audit_json_and_the_report_block(tmp_path, capsys):
         (["--canaries", "0"], r"canaries=0 \(--canaries\): the audit needs at least 2 canaries"),
         (["--method", "nonprivate"], r"method=nonprivate \(--method\): .*choose --method dp-sgd"),
         (["--confidence", "1.5"], r"confidence=1.5 \(--confidence\): must be in \(0, 1\)"),
+        # found only once the model is built: the audit's folder is removed again (no step)
+        (["--canaries", "10000000"], r"only \d+ trainable coordinates.*\(--canaries\)"),
     ],
 )
 def test_cli_audit_bad_input_names_the_flag_and_the_fix(tmp_path, capsys, args, pattern):
