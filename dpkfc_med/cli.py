@@ -33,7 +33,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "ledger and privacy_report.{json,md,html} into the run directory.",
     )
     _add_run_options(t, out_help="run directory (overrides output.dir)")
-    t.add_argument("--resume", action="store_true", help="continue the run in the output directory")
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in the output directory within its budget (from its checkpoint, "
+        "or from its ledger alone); a changed training.epochs re-plans the remaining steps, "
+        "other changes to the mechanism, model or data are refused",
+    )
     a = sub.add_parser(
         "audit",
         help="empirical lower bound on epsilon from one training run with canaries",
@@ -94,7 +100,12 @@ def _add_run_options(p: argparse.ArgumentParser, *, out_help: str) -> None:
     p.add_argument("--method", help="nonprivate | dp-sgd | dp-kfc | dp-kfc-white | dp-kfc-public")
     p.add_argument("--out", help=out_help)
     p.add_argument("--device", help="cpu | cuda | auto")
-    p.add_argument("--seed", type=int, help="training seed (overrides training.seed)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="training seed: model init, probes, data split (overrides training.seed); the noise "
+        "and the sampling never derive from it",
+    )
     p.add_argument(
         "--set",
         action="append",
