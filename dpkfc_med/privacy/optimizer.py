@@ -29,6 +29,8 @@ Privacy guarantee:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +65,10 @@ class StepDiagnostics:
         median_raw_norm: median per-sample norm before preconditioning (first
             ``raw_norm_samples(batch)`` samples; per sample, not per unit).
         layer_share: each layer's share of the transformed squared norm (batch total).
+        layer_snr: each layer's signal-to-noise ratio of the privatized sum: the squared norm
+            of the clipped per-unit sum over the batch, divided by the noise's expected squared
+            norm ``sigma^2 C^2 d`` on that layer's ``d`` coordinates (both in the coordinates
+            where the noise is added). Infinite when the noise multiplier is 0.
     """
 
     batch_units: int = 0
@@ -70,6 +76,7 @@ class StepDiagnostics:
     median_transformed_norm: float = float("nan")
     median_raw_norm: float = float("nan")
     layer_share: dict[str, float] = field(default_factory=dict)
+    layer_snr: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (for logs)."""
@@ -79,7 +86,12 @@ class StepDiagnostics:
             "median_transformed_norm": self.median_transformed_norm,
             "median_raw_norm": self.median_raw_norm,
             "layer_share": dict(self.layer_share),
+            "layer_snr": dict(self.layer_snr),
         }
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else math.inf
 
 
 class ScaleThenPrivatizeOptimizer(DPOptimizer):
@@ -185,21 +197,26 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             norms = per_param.norm(2, dim=1)
             sq = per_param.pow(2)
         clip = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        signal: list[float] = []
         for p, g in zip(self.params, grads):
             _check_processed_flag(p.grad_sample)
             g = g.to(p.dtype)
             summed = torch.einsum("i,i...", clip.to(device=g.device, dtype=p.dtype), g)
             p.summed_grad = summed if p.summed_grad is None else p.summed_grad + summed
             _mark_as_processed(p.grad_sample)
+            if self.record_diagnostics:
+                signal.append(float(summed.double().pow(2).sum()))
         if self.record_diagnostics:
-            self.last_diagnostics = self._diagnostics(sq, norms)
+            self.last_diagnostics = self._diagnostics(sq, norms, signal)
 
-    def _diagnostics(self, sq: Tensor, norms: Tensor) -> StepDiagnostics:
+    def _diagnostics(self, sq: Tensor, norms: Tensor, signal: list[float]) -> StepDiagnostics:
         n = len(norms)
         if n == 0:
             return StepDiagnostics(batch_units=0)
         names = self.preconditioner.param_layer_names() if self.preconditioner else {}
         share: dict[str, float] = {}
+        sig: dict[str, float] = {}
+        dims: dict[str, int] = {}
         col = sq.sum(0)
         total = float(col.sum()) or 1.0
         raw_parts: list[Tensor] = []
@@ -207,6 +224,8 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         for j, p in enumerate(self.params):
             key = names.get(id(p), getattr(p, "_dpkfc_name", f"param{j}"))
             share[key] = share.get(key, 0.0) + float(col[j]) / total
+            sig[key] = sig.get(key, 0.0) + signal[j]
+            dims[key] = dims.get(key, 0) + p.numel()
             owner = getattr(p, "_dpkfc_owner", None)
             owner_raw = getattr(owner, "_dpkfc_raw_sq", None)
             if owner_raw is not None:  # covered layer: hooks kept raw norms, once per module
@@ -218,6 +237,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             else:  # not preconditioned: raw == transformed
                 gs = self._get_flat_grad_sample(p)
                 raw_parts.append(gs[: raw_norm_samples(gs.shape[0])].pow(2).flatten(1).sum(1))
+        noise_sq = (self.noise_multiplier * self.max_grad_norm) ** 2
         m = min(len(r) for r in raw_parts) if raw_parts else 0
         raw_sq = sum(r[:m].detach().double().cpu() for r in raw_parts) if m else None
         return StepDiagnostics(
@@ -228,6 +248,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             if isinstance(raw_sq, Tensor)
             else float("nan"),
             layer_share=share,
+            layer_snr={k: _ratio(sig[k], noise_sq * dims[k]) for k in sig},
         )
 
     def run_pre_noise_hooks(self) -> None:

@@ -167,6 +167,14 @@ class TrainingConfig:
             :mod:`dpkfc_med.privacy.adambc`; plain Adam when non-private).
         adambc_gamma: floor of DP-AdamBC's corrected second moment; ``null`` = the noise
             variance itself (1e-8 when non-private).
+        lr_schedule: ``constant``, or ``cosine`` (the learning rate falls from ``lr`` to 0 along
+            a half cosine over the planned steps, after ``warmup_steps`` of linear warm-up).
+            The schedule is a function of the step count and the config only.
+        warmup_steps: steps of linear warm-up from ``lr / warmup_steps`` to ``lr``.
+        ema_decay: keep an exponential moving average of the weights with this decay (e.g.
+            0.99) and use it for validation, model selection and the released model; ``null``
+            = off. It averages released (noisy) parameters only, so it is free post-processing
+            under differential privacy.
     """
 
     epochs: int = 5
@@ -175,6 +183,9 @@ class TrainingConfig:
     lr: float = 0.05
     momentum: float = 0.9
     adambc_gamma: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    ema_decay: float | None = None
     weight_decay: float = 0.0
     seed: int = 0
     eval_batch_size: int = 256
@@ -258,6 +269,7 @@ _CHOICES: dict[str, list[str]] = {
     "method": [m.value for m in Method],
     "data.task": ["classification", "segmentation"],
     "training.optimizer": ["sgd", "adam", "adambc"],
+    "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
     "privacy.accountant": ["prv", "rdp"],
     "probes.target": ["uniform", "model"],
@@ -368,6 +380,13 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
             "privacy.reproducible_noise=true contradicts privacy.secure_rng=true: replayable "
             "noise cannot come from the OS CSPRNG; turn one of them off"
         )
+    ema = cfg.training.ema_decay
+    if ema is not None and isinstance(ema, float) and not 0.0 < ema < 1.0:
+        problems.append(
+            f"training.ema_decay={ema!r}: must be between 0 and 1 exclusive (e.g. 0.99), or null"
+        )
+    if isinstance(cfg.training.warmup_steps, int) and cfg.training.warmup_steps < 0:
+        problems.append(f"training.warmup_steps={cfg.training.warmup_steps}: must be >= 0")
     nm = cfg.privacy.noise_multiplier
     if nm is not None and isinstance(nm, float) and not nm > 0:
         problems.append(f"privacy.noise_multiplier={nm!r}: must be > 0 (or null to calibrate)")

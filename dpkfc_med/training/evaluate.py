@@ -129,7 +129,7 @@ def evaluate_run(
     model, _ = _build_model(cfg, task)
     model.load_state_dict(saved["model"])
     model.to(dev).eval()
-    metrics = task.evaluate(model, split, dev, cfg.training.eval_batch_size)
+    metrics = task.evaluate(model, split, dev, cfg.training.eval_batch_size, full=True)
     out = {
         "run": str(run),
         "data": task.data_record,

@@ -61,6 +61,7 @@ from dpkfc_med.training.plan import (
     plan_privacy,
     resume_replans,
 )
+from dpkfc_med.training.schedule import WeightAverage, lr_factor
 from dpkfc_med.training.tasks import Task, build_task
 from dpkfc_med.utils import atomic_write_bytes, write_json
 
@@ -166,6 +167,12 @@ class _Run:
         self.eps_shown = 0.0
         self.epoch = 0
         self.best: dict[str, Any] = {"epoch": -1, "metric": -math.inf, "state": None}
+        self.ema: WeightAverage | None = None
+        self.total_steps = 0  # planned optimizer steps (the lr schedule's horizon)
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The network that is validated, selected and released: the weight average if on."""
+        return self.ema.module if self.ema is not None else model
 
 
 def train(
@@ -219,6 +226,11 @@ def train(
     if plan is not None:
         log.info("privacy plan (%s): %s", opening.kind, describe_plan(plan))
     state = _Run(cfg, task, run_dir, device)
+    state.total_steps = (
+        plan["planned_steps"] if plan is not None else cfg.training.epochs * steps_per_epoch
+    )
+    if cfg.training.ema_decay is not None:  # copied before any wrapper hooks the model
+        state.ema = WeightAverage(model, cfg.training.ema_decay)
     optimizer = _make_optimizer(cfg, model)
     train_loader = DataLoader(
         task.train_set,
@@ -301,7 +313,8 @@ def train(
                 _train_epoch(state, pmodel, popt, loader, engine)
                 state.epoch += 1
                 epochs_this_session += 1
-                metric = task.evaluate(model, "val", device, cfg.training.eval_batch_size)
+                chosen = state.eval_model(model)
+                metric = task.evaluate(chosen, "val", device, cfg.training.eval_batch_size)
                 value = metric.get(task.selection_metric, float("nan"))
                 state.history["val_epoch"].append(state.epoch)
                 state.history["val_metric"].append(value)
@@ -310,7 +323,7 @@ def train(
                     state.best = {
                         "epoch": state.epoch,
                         "metric": value,
-                        "state": copy.deepcopy(model.state_dict()),
+                        "state": copy.deepcopy(chosen.state_dict()),
                     }
                 _checkpoint(state, ckpt_path, model, popt, engine)
                 if stop_after_epochs is not None and epochs_this_session >= stop_after_epochs:
@@ -584,6 +597,12 @@ def _train_epoch(
             break
         x, y, units = task.unpack(batch)
         x, y = x.to(state.device), y.to(state.device)
+        taken = popt.steps_taken if engine is not None else len(state.history["step"])
+        factor = lr_factor(
+            taken, state.total_steps, cfg.training.lr_schedule, cfg.training.warmup_steps
+        )
+        for group in popt.param_groups:
+            group["lr"] = cfg.training.lr * factor
         popt.zero_grad(set_to_none=True)
         if len(x) == 0:
             loss_value = float("nan")
@@ -597,6 +616,8 @@ def _train_epoch(
                 popt.set_unit_ids(units.to(state.device))
             popt.step()
             loss_value = float(loss.detach())
+        if state.ema is not None:
+            state.ema.update(_unwrapped(pmodel))
         seen += len(x)
         step = popt.steps_taken if engine is not None else len(state.history["step"]) + 1
         state.history["step"].append(step)
@@ -607,6 +628,11 @@ def _train_epoch(
         bar.set_postfix(loss=f"{loss_value:.3f}", eps=f"{state.eps_shown:.2f}", img_s=f"{rate:.0f}")
     _fill_epsilon(state, engine)
     log.info("epoch %d done: %d samples, %.1f s", state.epoch + 1, seen, time.perf_counter() - t0)
+
+
+def _unwrapped(pmodel: nn.Module) -> nn.Module:
+    """The network inside Opacus' ``GradSampleModule`` (itself when not wrapped)."""
+    return getattr(pmodel, "_module", pmodel)
 
 
 def noise_only_step(popt: Any) -> None:
@@ -662,6 +688,7 @@ def _checkpoint(
             "history": state.history,
             "diag": state.diag,
             "best": state.best,
+            "ema": state.ema.state_dict() if state.ema is not None else None,
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
@@ -685,6 +712,8 @@ def _restore(
     opt.load_state_dict(ck["optimizer"])
     state.epoch = int(ck["epoch"])
     state.history, state.diag, state.best = ck["history"], ck["diag"], ck["best"]
+    if state.ema is not None and ck.get("ema") is not None:
+        state.ema.load_state_dict(ck["ema"])
     torch.set_rng_state(ck["torch_rng"])
     np.random.set_state(ck["numpy_rng"])
     random.setstate(ck["python_rng"])
@@ -714,11 +743,12 @@ def _finish(
     cfg, task, run_dir = state.cfg, state.task, state.run_dir
     metrics: dict[str, Any] = {"val": None, "test": None, "selected_epoch": state.best["epoch"]}
     if evaluate:
-        final_state = copy.deepcopy(model.state_dict())
+        final_state = copy.deepcopy(state.eval_model(model).state_dict())
         if state.best["state"] is not None:
             model.load_state_dict(state.best["state"])
-        metrics["val"] = task.evaluate(model, "val", state.device, cfg.training.eval_batch_size)
-        metrics["test"] = task.evaluate(model, "test", state.device, cfg.training.eval_batch_size)
+        bs = cfg.training.eval_batch_size
+        metrics["val"] = task.evaluate(model, "val", state.device, bs, full=True)
+        metrics["test"] = task.evaluate(model, "test", state.device, bs, full=True)
         _atomic_torch_save(
             {
                 "model": model.state_dict(),
@@ -786,6 +816,11 @@ def _diag_summary(diag: list[dict[str, Any]]) -> dict[str, Any] | None:
         for k, v in d["layer_share"].items():
             layers.setdefault(k, []).append(v)
     out["mean_layer_share"] = {k: float(np.mean(v)) for k, v in layers.items()}
+    snr: dict[str, list[float]] = {}
+    for d in diag:
+        for k, v in d.get("layer_snr", {}).items():
+            snr.setdefault(k, []).append(v)
+    out["mean_layer_snr"] = {k: float(np.mean(v)) for k, v in snr.items()}
     out["steps"] = len(diag)
     out["note"] = (
         "computed from un-noised private statistics; not covered by the privacy guarantee; "
@@ -965,6 +1000,17 @@ def build_report(
             "lr": cfg.training.lr,
             "momentum": cfg.training.momentum,
             "weight_decay": cfg.training.weight_decay,
+            "lr_schedule": cfg.training.lr_schedule,
+            "warmup_steps": cfg.training.warmup_steps,
+            "weight_average": (
+                None
+                if state.ema is None
+                else {
+                    "decay": state.ema.decay,
+                    "note": "exponential moving average of the released weights after each "
+                    "noisy step (post-processing); validated, selected and released",
+                }
+            ),
             "epochs_planned": cfg.training.epochs,
             "expected_batch_size": cfg.training.batch_size,
             "selected_epoch": state.best["epoch"],

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,51 @@ def dice_scores(pred: Tensor, label: Tensor, num_classes: int) -> Tensor:
     return torch.as_tensor(scores).float()
 
 
+def hausdorff95_scores(
+    pred: Tensor, label: Tensor, num_classes: int, spacing: Sequence[float] | None = None
+) -> Tensor:
+    """Symmetric 95th-percentile Hausdorff distance of each foreground class (MONAI metrics).
+
+    Args:
+        pred: predicted class ids ``[N, 1, *S]``.
+        label: true class ids ``[N, 1, *S]``.
+        num_classes: ``K`` (background included).
+        spacing: voxel spacing (distances in its unit, mm for NIfTI); ``None`` = voxels.
+
+    Returns:
+        ``[N, K - 1]`` distances; ``nan`` where the class is absent from the ground truth,
+        ``inf`` where it is present but the prediction misses it entirely.
+    """
+    from monai.metrics import compute_hausdorff_distance
+    from monai.networks.utils import one_hot
+
+    p, t = one_hot(pred, num_classes), one_hot(label, num_classes)
+    with warnings.catch_warnings():
+        # empty classes are handled below (nan / inf); MONAI's own deprecation is internal
+        warnings.filterwarnings("ignore", message=".*may result in nan/inf distance")
+        warnings.filterwarnings("ignore", message=".*always_return_as_numpy", category=FutureWarning)
+        out = torch.as_tensor(
+            compute_hausdorff_distance(
+                p, t, include_background=False, percentile=95, spacing=spacing
+            )
+        ).float()
+    present = t[:, 1:].flatten(2).any(-1)
+    missed = present & ~p[:, 1:].flatten(2).any(-1)
+    out = torch.where(present, out, torch.full_like(out, float("nan")))
+    return torch.where(missed, torch.full_like(out, float("inf")), out)
+
+
+def _voxel_spacing(image: Tensor, fallback: Sequence[float] | None) -> list[float] | None:
+    pixdim = getattr(image, "pixdim", None)  # MONAI MetaTensor from the NIfTI header
+    try:
+        values = [float(v) for v in pixdim][-3:] if pixdim is not None else None
+    except TypeError:
+        values = None
+    if values and len(values) == 3 and all(v > 0 for v in values):
+        return values
+    return list(fallback) if fallback is not None else None
+
+
 class SegmentationTask(Task):
     """Dense segmentation of 3D volumes; the privacy unit is the volume (patient)."""
 
@@ -234,29 +280,45 @@ class SegmentationTask(Task):
         return torch.as_tensor(logits).argmax(1, keepdim=True).cpu()
 
     def evaluate(
-        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+        self,
+        model: nn.Module,
+        split: str,
+        device: torch.device,
+        batch_size: int,
+        *,
+        full: bool = False,
     ) -> dict[str, Any]:
-        """Dice per foreground class on the whole volumes of ``split``.
+        """Dice (and optionally Hausdorff-95) per foreground class on the volumes of ``split``.
 
         Args:
             model: the network (evaluated in eval mode; its mode is restored afterwards).
             split: ``"train"``, ``"val"``, ``"test"`` or ``"all"`` (every case of the folder).
             device: where the model lives.
             batch_size: windows per forward pass of the sliding-window inferer.
+            full: the final evaluation: also the symmetric 95th-percentile Hausdorff distance
+                per class, in mm (:func:`hausdorff95_scores`).
 
         Returns:
             ``{"mean_dice", "dice_per_class": {name: dice}, "n": cases}``; a class's Dice is the
-            mean over the cases that contain it, ``mean_dice`` the mean over classes.
+            mean over the cases that contain it, ``mean_dice`` the mean over classes. With
+            ``full``: ``hd95_per_class`` (mean over the cases where both prediction and
+            ground truth hold the class) and ``hd95_missed_cases`` (cases whose prediction
+            misses a class that the ground truth holds).
         """
         data: _CachedVolumes = self.extra["splits"][split]
         was = model.training
         model.eval()
-        rows = []
+        rows, hd_rows = [], []
         try:
             for i in range(len(data)):
                 item = data[i]
                 pred = self.predict(model, item["image"], device, batch_size)
                 rows.append(dice_scores(pred, item["label"], self.num_classes))
+                if full:
+                    spacing = _voxel_spacing(item["image"], self.spacing)
+                    hd_rows.append(
+                        hausdorff95_scores(pred, item["label"], self.num_classes, spacing)
+                    )
         finally:
             model.train(was)
         names = self._foreground_names()
@@ -270,11 +332,22 @@ class SegmentationTask(Task):
         else:
             per_class = [float("nan")] * len(names)
         finite = [v for v in per_class if np.isfinite(v)]
-        return {
+        out: dict[str, Any] = {
             "mean_dice": float(np.mean(finite)) if finite else float("nan"),
             "dice_per_class": dict(zip(names, per_class)),
             "n": len(data),
         }
+        if hd_rows:
+            hd = torch.cat(hd_rows).numpy().astype(np.float64)
+            hd95, missed = [], []
+            for col in hd.T:
+                ok = col[np.isfinite(col)]
+                hd95.append(float(ok.mean()) if len(ok) else float("nan"))
+                missed.append(int(np.isinf(col).sum()))
+            out["hd95_per_class"] = dict(zip(names, hd95))
+            out["hd95_missed_cases"] = dict(zip(names, missed))
+            out["hd95_unit"] = "mm (voxel spacing of each volume's header)"
+        return out
 
     def _foreground_names(self) -> list[str]:
         names = self.label_names or [f"class_{c}" for c in range(self.num_classes)]

@@ -97,9 +97,15 @@ class Task:
         return x, y, None
 
     def evaluate(
-        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+        self,
+        model: nn.Module,
+        split: str,
+        device: torch.device,
+        batch_size: int,
+        *,
+        full: bool = False,
     ) -> dict[str, Any]:
-        """Metrics on ``split``."""
+        """Metrics on ``split``; ``full``: the final evaluation, with metrics too slow per epoch."""
         raise NotImplementedError
 
     def probe_source(self, cfg: RunConfig) -> Any:
@@ -323,7 +329,13 @@ class ClassificationTask(Task):
         return torch.cat(probs), torch.cat(labels)
 
     def evaluate(
-        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+        self,
+        model: nn.Module,
+        split: str,
+        device: torch.device,
+        batch_size: int,
+        *,
+        full: bool = False,
     ) -> dict[str, Any]:
         """Accuracy, balanced accuracy, AUROC, per-class sensitivity/specificity, confusion."""
         data = self.extra["splits"][split]

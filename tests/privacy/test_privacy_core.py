@@ -527,3 +527,31 @@ def test_natural_step_refused_with_dpadambc_in_the_library():
             probe_loss=per_sample_ce,
             preconditioner=PreconditionerConfig(step="natural"),
         )
+
+
+def test_layer_snr_is_clipped_sum_norm_over_expected_noise_norm(float64):
+    """Per-layer SNR against a brute-force recomputation from the clipped per-sample sum."""
+    torch.manual_seed(5)
+    x, y = _data(32)
+    model = tiny_cnn_2d()
+    _, (pm, popt, _) = _engine("dp-kfc", model, x, y, sigma=1.7)
+
+    def backward():
+        F.cross_entropy(pm(x[:12]), y[:12]).backward()
+
+    summed = summed_clipped(popt, backward)
+    d = popt.last_diagnostics
+    names = popt.preconditioner.param_layer_names()
+    signal: dict[str, float] = {}
+    dims: dict[str, int] = {}
+    offset = 0
+    for j, p in enumerate(popt.params):
+        part = summed[offset : offset + p.numel()]
+        offset += p.numel()
+        key = names.get(id(p), getattr(p, "_dpkfc_name", f"param{j}"))
+        signal[key] = signal.get(key, 0.0) + float(part.pow(2).sum())
+        dims[key] = dims.get(key, 0) + p.numel()
+    noise = (1.7 * popt.max_grad_norm) ** 2
+    assert set(d.layer_snr) == set(signal) == set(d.layer_share)
+    for key in signal:
+        assert d.layer_snr[key] == pytest.approx(signal[key] / (noise * dims[key]), rel=1e-9)

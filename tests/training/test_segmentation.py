@@ -31,6 +31,7 @@ TINY = [
     "data.max_train=6",
     "data.max_eval=2",
     "data.patch_size=[16,16,16]",
+    "data.patches_per_unit=2",
     "training.epochs=1",
     "training.batch_size=3",
     "training.eval_batch_size=16",
@@ -94,6 +95,7 @@ def test_cli_train_writes_report_split_overlays_and_dice(runs, method):
         m = metrics[part]
         assert 0.0 <= m["mean_dice"] <= 1.0 and m["n"] == 2
         assert set(m["dice_per_class"]) == {"Anterior", "Posterior"}
+        assert set(m["hd95_per_class"]) == set(m["hd95_missed_cases"]) == {"Anterior", "Posterior"}
 
 
 @needs_hippo
@@ -114,6 +116,29 @@ def test_cli_evaluate_on_another_folder_uses_all_its_cases(runs, tmp_path, capsy
     assert saved["split"] == "all" and saved["n"] == 3
     assert 0.0 <= saved["mean_dice"] <= 1.0
     assert set(saved["dice_per_class"]) == {"class_1", "class_2"}  # no dataset.json: unnamed
+
+
+@needs_hippo
+def test_weight_average_is_released_and_lr_follows_the_cosine_plan(tmp_path):
+    from dpkfc_med.training.schedule import lr_factor
+
+    run = tmp_path / "ema"
+    extra = ["training.ema_decay=0.9", "training.lr_schedule=cosine", "training.warmup_steps=1"]
+    code = main(["train", str(CONFIG), "--out", str(run), "--method", "dp-sgd", *_sets(TINY + extra)])
+    assert code == 0
+    report = json.loads((run / "privacy_report.json").read_text())
+    assert report["training"]["weight_average"]["decay"] == 0.9
+    assert report["training"]["lr_schedule"] == "cosine"
+    ck = torch.load(run / "checkpoint.pt", weights_only=False)
+    released = torch.load(run / "model.pt", weights_only=False)["model"]
+    steps = report["privacy"]["steps"]
+    assert ck["ema"]["updates"] == steps  # one average update per noisy step
+    lr = float(ck["optimizer"]["param_groups"][0]["lr"])
+    cfg_lr = report["training"]["lr"]
+    assert lr == pytest.approx(cfg_lr * lr_factor(steps - 1, steps, "cosine", 1), rel=1e-12)
+    for name, value in released.items():  # one epoch: the selected model is the final average
+        assert torch.equal(value, ck["ema"]["module"][name]), name
+    assert any(not torch.equal(released[k], ck["model"][k]) for k in released)
 
 
 # ------------------------------------------------------------------------- privacy unit
@@ -317,3 +342,43 @@ def test_training_loss_gives_exact_per_patch_gradients(float64):
         )
         for gs, g in zip(per_sample, single):
             torch.testing.assert_close(gs[i], g)
+
+
+def _hd95_brute_force(pred: np.ndarray, true: np.ndarray, spacing) -> float:
+    """Symmetric HD95 from every pair of surface voxels (surface: mask minus its erosion)."""
+    from scipy.ndimage import binary_erosion
+    from scipy.spatial.distance import cdist
+
+    def surface(mask):
+        return np.argwhere(mask & ~binary_erosion(mask)) * np.asarray(spacing)
+
+    sp, st = surface(pred), surface(true)
+    d = cdist(sp, st)
+    return max(np.percentile(d.min(1), 95), np.percentile(d.min(0), 95))
+
+
+def test_hausdorff95_matches_brute_force_and_flags_absent_and_missed_classes():
+    from dpkfc_med.training.segmentation import hausdorff95_scores
+
+    rng = np.random.default_rng(0)
+    true = np.zeros((12, 14, 10), dtype=np.int64)
+    true[2:8, 3:10, 2:7] = 1
+    true[8:11, 4:9, 3:8] = 2
+    pred = true.copy()
+    pred[rng.random(true.shape) < 0.08] = 1  # scattered false positives far from the surface
+    pred[3:5, 4:6, 3:5] = 0
+    spacing = [1.0, 0.5, 2.0]
+    got = hausdorff95_scores(
+        torch.from_numpy(pred)[None, None], torch.from_numpy(true)[None, None], 4, spacing
+    )
+    for c in (1, 2):
+        assert float(got[0, c - 1]) == pytest.approx(
+            _hd95_brute_force(pred == c, true == c, spacing), rel=1e-5
+        )
+    assert torch.isnan(got[0, 2])  # class 3 absent from the ground truth
+    missed = pred.copy()
+    missed[missed == 2] = 0
+    got = hausdorff95_scores(
+        torch.from_numpy(missed)[None, None], torch.from_numpy(true)[None, None], 3, spacing
+    )
+    assert torch.isinf(got[0, 1]) and torch.isfinite(got[0, 0])
