@@ -1,33 +1,40 @@
-"""Private 3D segmentation: Dice at one epsilon for non-private, DP-SGD and DP-KFC training.
+"""Private 3D segmentation: Dice per epsilon for non-private, DP-SGD and DP-KFC, and the levers.
 
-Run (MSD Task04 hippocampus, the shipped config, epsilon 8, seeds 1-2)::
+Run the whole study (MSD Task04 hippocampus, epsilon 8, 3 and 1, seeds 1-3)::
 
-    python benchmarks/segmentation.py
+    python benchmarks/segmentation.py                     # study "main"
+    python benchmarks/segmentation.py --study levers      # the recipe's levers at epsilon 8
 
 Every run is the CLI pipeline (`dpkfc_med.training.train`) on ``--config`` with only the method,
-learning rate and seed changed. Privacy unit: one patient/volume (its patches are summed before
-clipping); Poisson sampling of volumes; PRV accounting.
+target epsilon, learning rate and seed changed (and, in the lever study, the lever's fields).
+Privacy unit: one patient/volume; Poisson sampling of volumes; PRV accounting; delta from the
+config (<= 1/N).
 
-Tuning protocol (identical for every method): the config's optimizer, clip norm, schedule and
-batch; a grid of learning rates ``--lrs`` (default 0.001, 0.003, 0.01, 0.03, 0.1) run with the
+Tuning protocol (identical for every method and epsilon): the config's optimizer, clip norm,
+schedule, weight average, batch and epochs; a grid of learning rates ``--lrs`` run with the
 tuning seed 0 and scored by validation mean Dice (foreground classes); the chosen learning rate
 is then run with the evaluation seeds and scored on the test cases. The training seed also
-draws the case split, so each seed has its own train/val/test cases (means cover split
-variation too; a case in seed 0's validation split may be a test case of another seed, which
-only the choice between the grid's learning rates could exploit, equally for every method).
-The grid was widened from {0.001, 0.003} while some method's best sat on its edge; every method
-ran every grid point. Model selection inside a run (best epoch by validation Dice) is the same
-for every method.
+draws the case split, so each seed has its own train/val/test cases. Non-private training is
+tuned once (it has no epsilon). Model selection inside a run (best epoch by validation Dice) is
+the same for every method. The gap fraction of a method at an epsilon is
+(Dice - DP-SGD Dice) / (non-private Dice - DP-SGD Dice) on the test means.
+Lever study: at epsilon 8, seed 0, each method at its learning rate chosen in the main study,
+the config as shipped and with one lever changed at a time; scored by validation Dice.
 Tuning and selection look at private validation data and are NOT covered by the reported
-epsilon.
+epsilon. Benchmark runs seed the noise (``privacy.reproducible_noise``) so that every method
+sees the same batches and noise per seed; shipped runs draw it from OS entropy.
 
-Results are appended run by run to the JSON (an interrupted benchmark resumes) and a Markdown
-table is regenerated from it.
+Results are appended run by run to the JSON (an interrupted benchmark resumes), and a Markdown
+summary and a figure are regenerated from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import math
+import multiprocessing as mp
 import shutil
 import sys
 import time
@@ -35,117 +42,367 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import ROOT, _environment, _git_commit, _load, _merge, _save  # noqa: E402
 
-from dpkfc_med.training.config import apply_overrides, config_from_dict  # noqa: E402
-from dpkfc_med.training.loop import train  # noqa: E402
-
 METHODS = ("nonprivate", "dp-sgd", "dp-kfc")
 
+# One lever changed at a time from the shipped config (the lever study).
+LEVERS: dict[str, dict[str, Any]] = {
+    "shipped": {},
+    "24^3 patches x2, batch 16, 18 epochs (the previous recipe)": {
+        "data": {"patch_size": [24, 24, 24], "patches_per_unit": 2},
+        "training": {"batch_size": 16, "epochs": 18},
+    },
+    "batch 32, same epochs (fewer units per step, more steps)": {"training": {"batch_size": 32}},
+    "no weight average": {"training": {"ema_decay": None}},
+    "constant learning rate": {"training": {"lr_schedule": "constant", "warmup_steps": 0}},
+    "clip norm x4": {"privacy": {"max_grad_norm": "x4"}},
+    "UNet channels 16-32-64 (4x parameters)": {"model": {"kwargs": {"channels": [16, 32, 64]}}},
+    "K-FAC A only (no G factor)": {"preconditioner": {"factors": "a"}},
+}
+LEVER_METHODS = {"K-FAC A only (no G factor)": ("dp-kfc",)}
 
-def _run(base: dict[str, Any], method: str, lr: float, seed: int, runs_dir: Path) -> dict:
-    name = f"{base['name']}_{method}_lr{lr:g}_s{seed}"
+
+def _job(args: tuple[dict[str, Any], dict[str, Any], str, int]) -> dict[str, Any]:
+    """One training run in a worker process (one torch thread each)."""
+    import torch
+
+    from dpkfc_med.training.config import config_from_dict
+    from dpkfc_med.training.loop import train
+
+    cfg_dict, key, runs_dir, threads = args
+    torch.set_num_threads(threads)
+    name = _run_name(key)
     cfg = config_from_dict(
         _merge(
-            base,
+            cfg_dict,
             {
                 "name": name,
-                "method": method,
-                "training": {"lr": lr, "seed": seed, "progress": False},
-                # research protocol: the same batches and noise for every method per seed
-                "privacy": {"reproducible_noise": True},
-                "output": {"dir": str(runs_dir / name)},
+                "training": {"progress": False, "threads": threads},
+                "output": {"dir": str(Path(runs_dir) / name)},
             },
         )
     )
     shutil.rmtree(cfg.run_dir(), ignore_errors=True)  # a crashed earlier attempt of this run
     t0 = time.time()
     res = train(cfg)
+    diag = res.custodian.get("diagnostics") or {}
     return {
-        "method": method,
-        "lr": lr,
-        "seed": seed,
+        **key,
         "val": _dice(res.metrics["val"]),
         "test": _dice(res.metrics["test"]),
-        "epsilon": res.epsilon,
+        "epsilon_spent": res.epsilon,
         "noise_multiplier": res.report["privacy"].get("noise_multiplier"),
+        "steps": res.report["privacy"].get("steps"),
+        "selected_epoch": res.metrics.get("selected_epoch"),
+        "evidence": {
+            k: diag.get(k)
+            for k in (
+                "mean_clipped_fraction",
+                "mean_median_transformed_norm",
+                "mean_layer_share",
+                "mean_layer_snr",
+            )
+        },
         "seconds": time.time() - t0,
+        "threads": threads,
     }
 
 
+def _run_name(key: dict[str, Any]) -> str:
+    tag = hashlib.sha256(key["lever"].encode()).hexdigest()[:8]
+    lever = "" if key["lever"] == "shipped" else f"_lever{tag}"
+    eps = "np" if key["eps"] is None else f"eps{key['eps']:g}"
+    return f"{key['method']}_{eps}_lr{key['lr']:g}_s{key['seed']}{lever}"
+
+
 def _dice(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: m[k] for k in ("mean_dice", "dice_per_class") if k in m}
+    keys = ("mean_dice", "dice_per_class", "hd95_per_class", "hd95_missed_cases")
+    return {k: m[k] for k in keys if k in m}
 
 
-def _best_lr(data: dict[str, Any], method: str) -> float | None:
+def _config_for(base: dict[str, Any], key: dict[str, Any]) -> dict[str, Any]:
+    lever = json.loads(json.dumps(LEVERS[key["lever"]]))
+    clip = lever.get("privacy", {}).get("max_grad_norm")
+    if isinstance(clip, str) and clip.startswith("x"):
+        lever["privacy"]["max_grad_norm"] = base["privacy"]["max_grad_norm"] * float(clip[1:])
+    extra: dict[str, Any] = {
+        "method": key["method"],
+        "training": {"lr": key["lr"], "seed": key["seed"]},
+        # research protocol: the same batches and noise for every method per seed
+        "privacy": {"reproducible_noise": True},
+    }
+    if key["eps"] is not None:
+        extra["privacy"]["target_epsilon"] = key["eps"]
+    return _merge(_merge(base, lever), extra)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(
+        a.get(k) == b.get(k) for k in ("study", "lever", "phase", "method", "eps", "lr", "seed")
+    )
+
+
+def _best_lr(data: dict[str, Any], method: str, eps: float | None) -> float | None:
     """The grid learning rate with the best validation Dice in the tuning runs."""
     lrs = set(data.get("lrs") or [])
     tune = [
         r
         for r in data["runs"]
-        if r["phase"] == "tune" and r["method"] == method and (not lrs or r["lr"] in lrs)
+        if r.get("study", "main") == "main"
+        and r["phase"] == "tune"
+        and r["method"] == method
+        and r["eps"] == eps
+        and (not lrs or r["lr"] in lrs)
     ]
     return max(tune, key=lambda r: r["val"]["mean_dice"])["lr"] if tune else None
 
 
+def _eval_runs(data: dict[str, Any], method: str, eps: float | None) -> list[dict[str, Any]]:
+    best = _best_lr(data, method, eps)
+    seeds = set(data.get("seeds") or [])
+    return [
+        r
+        for r in data["runs"]
+        if r.get("study", "main") == "main"
+        and r["phase"] == "eval"
+        and r["method"] == method
+        and r["eps"] == eps
+        and r["lr"] == best
+        and (not seeds or r["seed"] in seeds)
+    ]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    a = np.asarray(values, dtype=float)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def gap_fractions(data: dict[str, Any]) -> dict[float, dict[str, float]]:
+    """Per epsilon: each private method's fraction of the (non-private - DP-SGD) test-Dice gap."""
+    out: dict[float, dict[str, float]] = {}
+    nonprivate = _eval_runs(data, "nonprivate", None)
+    if not nonprivate:
+        return out
+    top = _mean_std([r["test"]["mean_dice"] for r in nonprivate])[0]
+    for eps in data.get("epsilons") or []:
+        sgd = _eval_runs(data, "dp-sgd", eps)
+        if not sgd:
+            continue
+        floor = _mean_std([r["test"]["mean_dice"] for r in sgd])[0]
+        out[eps] = {}
+        for method in METHODS[1:]:
+            runs = _eval_runs(data, method, eps)
+            if runs and top > floor:
+                dice = _mean_std([r["test"]["mean_dice"] for r in runs])[0]
+                out[eps][method] = (dice - floor) / (top - floor)
+    return out
+
+
 def summarize(data: dict[str, Any]) -> str:
-    """Markdown table: mean +- std over evaluation seeds of test Dice (mean and per class)."""
-    best = {m: _best_lr(data, m) for m in METHODS}
-    evals: dict[str, list[dict[str, Any]]] = {}
-    for r in data["runs"]:
-        if r["phase"] == "eval" and r["lr"] == best[r["method"]]:
-            evals.setdefault(r["method"], []).append(r)
+    """Markdown: test Dice per epsilon and method, gap fractions, HD95, evidence, tuning, levers."""
     names = data.get("class_names") or []
 
     def fmt(values: list[float]) -> str:
-        a = np.asarray(values, dtype=float)
-        return f"{a.mean():.3f} +- {a.std(ddof=1) if len(a) > 1 else 0:.3f}"
+        m, s = _mean_std(values)
+        return f"{m:.3f} +- {s:.3f}"
 
+    def hd(runs: list[dict[str, Any]]) -> str:
+        vals = [
+            np.nanmean([v for v in r["test"].get("hd95_per_class", {}).values()])
+            for r in runs
+            if r["test"].get("hd95_per_class")
+        ]
+        return f"{np.mean(vals):.2f}" if vals else "-"
+
+    gaps = gap_fractions(data)
     lines = [
-        f"## {data.get('config')}"
-        + "".join(f" --set {o}" for o in data.get("overrides") or [])
-        + f" (test cases; mean +- std over seeds {data.get('seeds')})",
+        f"## {data.get('config')} (test cases; mean +- std over seeds {data.get('seeds')})",
         "",
         "| method | target epsilon | lr (chosen on val) | test mean Dice | "
         + " | ".join(f"Dice {n}" for n in names)
-        + " | eps spent | minutes per run | runs |",
-        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|",
+        + " | HD95 mm (mean of classes) | gap closed | eps spent | minutes per run | runs |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
     ]
-    for method in METHODS:
-        runs = evals.get(method)
+    rows: list[tuple[str, float | None]] = [("nonprivate", None)]
+    rows += [(m, e) for e in data.get("epsilons") or [] for m in METHODS[1:]]
+    for method, eps in rows:
+        runs = _eval_runs(data, method, eps)
         if not runs:
             continue
         per_class = [fmt([r["test"]["dice_per_class"][n] for r in runs]) for n in names]
-        spent = [r["epsilon"] for r in runs if r["epsilon"] is not None]
+        spent = [r["epsilon_spent"] for r in runs if r.get("epsilon_spent") is not None]
+        gap = gaps.get(eps, {}).get(method) if eps is not None else None
         lines.append(
-            f"| {method} | {'-' if method == 'nonprivate' else data['target_epsilon']} | "
-            f"{runs[0]['lr']:g} | {fmt([r['test']['mean_dice'] for r in runs])} | "
+            f"| {method} | {'-' if eps is None else f'{eps:g}'} | {runs[0]['lr']:g} | "
+            f"{fmt([r['test']['mean_dice'] for r in runs])} | "
             + " | ".join(per_class)
-            + f" | {f'{max(spent):.3f}' if spent else '-'} | "
+            + f" | {hd(runs)} | {'-' if gap is None else f'{100 * gap:.0f} %'} | "
+            f"{f'{max(spent):.3f}' if spent else '-'} | "
             f"{np.mean([r['seconds'] for r in runs]) / 60:.1f} | {len(runs)} |"
         )
+    lines += _evidence_lines(data)
     lines += [
         "",
         "Tuning runs (seed 0, validation mean Dice):",
         "",
-        "| method | lr | val mean Dice |",
-        "|---|---|---|",
+        "| method | target epsilon | lr | val mean Dice |",
+        "|---|---|---|---|",
     ]
     for r in data["runs"]:
-        if r["phase"] == "tune":
-            lines.append(f"| {r['method']} | {r['lr']:g} | {r['val']['mean_dice']:.3f} |")
+        if r.get("study", "main") == "main" and r["phase"] == "tune":
+            eps = "-" if r["eps"] is None else f"{r['eps']:g}"
+            lines.append(f"| {r['method']} | {eps} | {r['lr']:g} | {r['val']['mean_dice']:.3f} |")
+    lever_runs = [r for r in data["runs"] if r.get("study") == "levers"]
+    if lever_runs:
+        lines += [
+            "",
+            "Lever study (epsilon 8, seed 0, validation mean Dice; one change from the shipped "
+            "config; each method at its learning rate chosen above):",
+            "",
+            "| lever | " + " | ".join(METHODS[1:]) + " | clipped fraction (dp-sgd / dp-kfc) |",
+            "|---|---|---|---|",
+        ]
+        shipped = [
+            r
+            for r in data["runs"]
+            if r.get("study", "main") == "main"
+            and r["phase"] == "tune"
+            and r["eps"] == 8.0
+            and r["lr"] == _best_lr(data, r["method"], 8.0)
+        ]
+        for lever in LEVERS:
+            cells, clipped = [], []
+            for method in METHODS[1:]:
+                pool = shipped if lever == "shipped" else lever_runs
+                r = next((x for x in pool if x["lever"] == lever and x["method"] == method), None)
+                cells.append("-" if r is None else f"{r['val']['mean_dice']:.3f}")
+                frac = (r or {}).get("evidence", {}).get("mean_clipped_fraction")
+                clipped.append("-" if frac is None else f"{frac:.2f}")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {lever} | " + " | ".join(cells) + f" | {' / '.join(clipped)} |")
     env = data.get("environment", {})
     lines += [
         "",
-        f"Machine: {env.get('platform')}, torch threads {env.get('torch_threads')}; "
-        f"git commit {data.get('git_commit')}.",
+        f"Machine: {env.get('platform')}, {data.get('workers', 1)} runs in parallel with one "
+        f"torch thread each; git commit {data.get('git_commit')}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _evidence_lines(data: dict[str, Any]) -> list[str]:
+    """Per-layer share of the clipped norm and SNR, seed-1 evaluation runs, per epsilon."""
+    lines: list[str] = []
+    for eps in data.get("epsilons") or []:
+        runs = {m: _eval_runs(data, m, eps) for m in METHODS[1:]}
+        first = {
+            m: next((r for r in rs if r["seed"] == min(x["seed"] for x in rs)), None)
+            for m, rs in runs.items()
+            if rs
+        }
+        if len(first) < 2:
+            continue
+        ev = {m: r.get("evidence") or {} for m, r in first.items() if r}
+        layers = list((ev.get("dp-kfc") or {}).get("mean_layer_share") or {})
+        if not layers:
+            continue
+        seed = first["dp-kfc"]["seed"]
+        lines += [
+            "",
+            f"Per-layer evidence at epsilon {eps:g} (seed {seed}, means over steps; computed from "
+            "un-noised private statistics, not DP): share of the clipped squared norm, and SNR = "
+            "squared norm of the clipped batch sum / expected squared norm of the noise on the "
+            "layer. Clipped fraction: "
+            + ", ".join(
+                f"{m} {e.get('mean_clipped_fraction', float('nan')):.2f}" for m, e in ev.items()
+            ),
+            "",
+            "| layer | share dp-sgd | share dp-kfc | SNR dp-sgd | SNR dp-kfc |",
+            "|---|---|---|---|---|",
+        ]
+        for layer in layers:
+            cells = []
+            for field in ("mean_layer_share", "mean_layer_snr"):
+                for m in ("dp-sgd", "dp-kfc"):
+                    v = (ev.get(m, {}).get(field) or {}).get(layer)
+                    cells.append("-" if v is None else f"{v:.3g}")
+            lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Test Dice against epsilon (left) and the gap fraction per epsilon (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eps_list = sorted(data.get("epsilons") or [])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    nonprivate = _eval_runs(data, "nonprivate", None)
+    if nonprivate:
+        m, s = _mean_std([r["test"]["mean_dice"] for r in nonprivate])
+        ax.axhspan(m - s, m + s, color="grey", alpha=0.2)
+        ax.axhline(m, color="grey", label="non-private")
+    for method in METHODS[1:]:
+        xs, ms, ss = [], [], []
+        for eps in eps_list:
+            runs = _eval_runs(data, method, eps)
+            if runs:
+                m, s = _mean_std([r["test"]["mean_dice"] for r in runs])
+                xs.append(eps), ms.append(m), ss.append(s)
+        if xs:
+            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=method)
+    ax.set_xscale("log")
+    ax.set_xticks(eps_list, [f"{e:g}" for e in eps_list])
+    ax.set_xlabel("epsilon (one patient = one unit)")
+    ax.set_ylabel("test mean Dice (mean +- std over seeds)")
+    ax.legend()
+    gaps = gap_fractions(data)
+    width = 0.35
+    for i, method in enumerate(METHODS[1:]):
+        vals = [100 * gaps.get(e, {}).get(method, math.nan) for e in eps_list]
+        bx.bar(np.arange(len(eps_list)) + (i - 0.5) * width, vals, width, label=method)
+    bx.axhline(100, color="grey", lw=0.8)
+    bx.set_xticks(np.arange(len(eps_list)), [f"{e:g}" for e in eps_list])
+    bx.set_xlabel("epsilon")
+    bx.set_ylabel("% of the (non-private - DP-SGD) gap closed")
+    bx.legend()
+    fig.suptitle("MSD hippocampus, MONAI 3D UNet")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _run_all(
+    jobs: list[dict[str, Any]],
+    base: dict[str, Any],
+    data: dict[str, Any],
+    out: Path,
+    runs_dir: Path,
+    workers: int,
+) -> None:
+    todo = [k for k in jobs if not any(_same(k, r) for r in data["runs"])]
+    if not todo:
+        return
+    args = [(_config_for(base, k), k, str(runs_dir), 1 if workers > 1 else 2) for k in todo]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(processes=min(workers, len(args)), maxtasksperchild=1) as pool:
+        for rec in pool.imap_unordered(_job, args):
+            data["runs"].append(rec)
+            data["class_names"] = list(rec["test"]["dice_per_class"])
+            _save(out, data)
+            eps = "-" if rec["eps"] is None else f"{rec['eps']:g}"
+            print(
+                f"{rec['study']}/{rec['phase']} {rec['method']} eps={eps} lr={rec['lr']:g} "
+                f"seed={rec['seed']} [{rec['lever']}]: val {rec['val']['mean_dice']:.3f} "
+                f"test {rec['test']['mean_dice']:.3f} ({rec['seconds'] / 60:.1f} min)",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,63 +411,84 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, default=ROOT / "configs/hippocampus_unet_3d_eps8.yaml")
+    p.add_argument("--study", choices=("main", "levers"), default="main")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--lrs", default="0.001,0.003,0.01,0.03,0.1")
-    p.add_argument("--seeds", default="1,2")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--epsilons", default="8,3,1")
+    p.add_argument("--lrs", default="0.01,0.03")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--workers", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
-    p.add_argument("--out", type=Path)
     p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for every run, e.g. preconditioner.rank_a=64 (as the CLI's --set)",
+        "--out", type=Path, default=ROOT / "benchmarks/results/segmentation_hippocampus.json"
     )
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    base = apply_overrides(yaml.safe_load(args.config.read_text()), args.set)
-    out = args.out or ROOT / "benchmarks" / "results" / f"segmentation_{base['name']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = _load(out)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    lrs = [float(x) for x in args.lrs.split(",")]
-    data.update(
-        {
-            "config": str(args.config.resolve().relative_to(ROOT)),
-            "overrides": args.set,
-            "config_contents": base,
-            "target_epsilon": base["privacy"]["target_epsilon"],
-            "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
-            "lrs": lrs,
-            "seeds": seeds,
-            "tuning_seed": 0,
-            "environment": _environment(),
-            "git_commit": _git_commit(),
-        }
-    )
-    done = {(r["phase"], r["method"], r["lr"], r["seed"]) for r in data["runs"]}
-    for method in args.methods.split(","):
+    base = yaml.safe_load(args.config.read_text())
+    methods = args.methods.split(",")
+    for method in methods:
         if method not in METHODS:
             p.error(f"--methods: unknown method {method!r}; choose from {', '.join(METHODS)}")
-        for lr in lrs:
-            if ("tune", method, lr, 0) not in done:
-                data["runs"].append({"phase": "tune", **_run(base, method, lr, 0, args.runs_dir)})
-                _save(out, data)
-                print(f"tune {method} lr={lr}: val Dice {data['runs'][-1]['val']['mean_dice']:.3f}")
-        best_lr = _best_lr(data, method)
-        for seed in seeds:
-            if ("eval", method, best_lr, seed) not in done:
-                data["runs"].append(
-                    {"phase": "eval", **_run(base, method, best_lr, seed, args.runs_dir)}
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = _load(out)
+    epsilons = [float(e) for e in args.epsilons.split(",")]
+    if args.study == "main":
+        data.update(
+            {
+                "config": str(args.config.resolve().relative_to(ROOT)),
+                "config_contents": base,
+                "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
+                "lrs": [float(x) for x in args.lrs.split(",")],
+                "seeds": [int(s) for s in args.seeds.split(",")],
+                "epsilons": epsilons,
+                "tuning_seed": 0,
+                "workers": args.workers,
+                "environment": _environment(),
+                "git_commit": _git_commit(),
+            }
+        )
+        common = {"study": "main", "lever": "shipped"}
+        grid = [(m, None if m == "nonprivate" else e) for m in methods for e in epsilons]
+        grid = list(dict.fromkeys(grid))
+        tune = [
+            {**common, "phase": "tune", "method": m, "eps": e, "lr": lr, "seed": 0}
+            for m, e in grid
+            for lr in data["lrs"]
+        ]
+        _run_all(tune, base, data, out, args.runs_dir, args.workers)
+        evals = [
+            {
+                **common,
+                "phase": "eval",
+                "method": m,
+                "eps": e,
+                "lr": _best_lr(data, m, e),
+                "seed": s,
+            }
+            for m, e in grid
+            for s in data["seeds"]
+        ]
+        _run_all(evals, base, data, out, args.runs_dir, args.workers)
+    else:
+        jobs = []
+        for lever in list(LEVERS)[1:]:  # "shipped" is the main study's tuning run
+            for m in LEVER_METHODS.get(lever, tuple(x for x in methods if x != "nonprivate")):
+                lr = _best_lr(data, m, 8.0)
+                if lr is None:
+                    p.error(f"--study levers: run the main study first (no tuned lr for {m} at 8)")
+                jobs.append(
+                    {
+                        "study": "levers",
+                        "lever": lever,
+                        "phase": "tune",
+                        "method": m,
+                        "eps": 8.0,
+                        "lr": lr,
+                        "seed": 0,
+                    }
                 )
-                data["class_names"] = list(data["runs"][-1]["test"]["dice_per_class"])
-                _save(out, data)
-                print(
-                    f"eval {method} seed={seed}: test Dice {data['runs'][-1]['test']['mean_dice']:.3f}"
-                )
-        out.with_suffix(".md").write_text(summarize(data))
+        _run_all(jobs, base, data, out, args.runs_dir, args.workers)
     out.with_suffix(".md").write_text(summarize(data))
+    plot(data, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
     return 0
 

@@ -30,7 +30,6 @@ Privacy guarantee:
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -35,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "OutputConfig",
     "PrivacyConfig",
+    "PretrainConfig",
     "ProbeConfig",
     "RunConfig",
     "TrainingConfig",
@@ -175,6 +176,8 @@ class TrainingConfig:
             0.99) and use it for validation, model selection and the released model; ``null``
             = off. It averages released (noisy) parameters only, so it is free post-processing
             under differential privacy.
+        eval_every: validate (and consider for model selection) every this many epochs, and
+            after the last one.
     """
 
     epochs: int = 5
@@ -186,6 +189,7 @@ class TrainingConfig:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     ema_decay: float | None = None
+    eval_every: int = 1
     weight_decay: float = 0.0
     seed: int = 0
     eval_batch_size: int = 256
@@ -219,6 +223,24 @@ class ProbeConfig:
 
 
 @dataclass
+class PretrainConfig:
+    """Data-free pretraining on synthetic shape volumes before private training (segmentation).
+
+    Attributes:
+        steps: non-private Adam steps on synthetic volumes (0 = off). The volumes come from the
+            config only (:mod:`dpkfc_med.training.pretrain`): no privacy cost.
+        batch_size: synthetic volumes per step.
+        lr: Adam learning rate of pretraining.
+        seed: seed of the synthetic volumes.
+    """
+
+    steps: int = 0
+    batch_size: int = 8
+    lr: float = 0.003
+    seed: int = 0
+
+
+@dataclass
 class OutputConfig:
     """Run directory (``{name}`` is replaced by the run name)."""
 
@@ -236,6 +258,7 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     probes: ProbeConfig = field(default_factory=ProbeConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     preconditioner: dict[str, Any] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -283,8 +306,11 @@ _POSITIVE = {
     "training.lr",
     "training.adambc_gamma",
     "training.eval_batch_size",
+    "training.eval_every",
     "probes.num_probes",
     "data.patches_per_unit",
+    "pretrain.batch_size",
+    "pretrain.lr",
 }
 
 
@@ -384,6 +410,13 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
     if ema is not None and isinstance(ema, float) and not 0.0 < ema < 1.0:
         problems.append(
             f"training.ema_decay={ema!r}: must be between 0 and 1 exclusive (e.g. 0.99), or null"
+        )
+    if isinstance(cfg.pretrain.steps, int) and cfg.pretrain.steps < 0:
+        problems.append(f"pretrain.steps={cfg.pretrain.steps}: must be >= 0 (0 = off)")
+    if cfg.pretrain.steps and cfg.data.task != "segmentation":
+        problems.append(
+            f"pretrain.steps={cfg.pretrain.steps}: data-free pretraining on synthetic shapes is "
+            "available for segmentation; set pretrain.steps to 0 for classification"
         )
     if isinstance(cfg.training.warmup_steps, int) and cfg.training.warmup_steps < 0:
         problems.append(f"training.warmup_steps={cfg.training.warmup_steps}: must be >= 0")

@@ -61,6 +61,7 @@ from dpkfc_med.training.plan import (
     plan_privacy,
     resume_replans,
 )
+from dpkfc_med.training.pretrain import PretrainSpec, pretrain_synthetic
 from dpkfc_med.training.schedule import WeightAverage, lr_factor
 from dpkfc_med.training.tasks import Task, build_task
 from dpkfc_med.utils import atomic_write_bytes, write_json
@@ -168,6 +169,7 @@ class _Run:
         self.epoch = 0
         self.best: dict[str, Any] = {"epoch": -1, "metric": -math.inf, "state": None}
         self.ema: WeightAverage | None = None
+        self.pretrain: dict[str, Any] | None = None  # provenance of data-free pretraining
         self.total_steps = 0  # planned optimizer steps (the lr schedule's horizon)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
@@ -226,6 +228,8 @@ def train(
     if plan is not None:
         log.info("privacy plan (%s): %s", opening.kind, describe_plan(plan))
     state = _Run(cfg, task, run_dir, device)
+    if cfg.pretrain.steps and opening.kind != "checkpoint":  # a checkpoint holds its weights
+        state.pretrain = _pretrain(cfg, task, model, device)
     state.total_steps = (
         plan["planned_steps"] if plan is not None else cfg.training.epochs * steps_per_epoch
     )
@@ -313,18 +317,22 @@ def train(
                 _train_epoch(state, pmodel, popt, loader, engine)
                 state.epoch += 1
                 epochs_this_session += 1
-                chosen = state.eval_model(model)
-                metric = task.evaluate(chosen, "val", device, cfg.training.eval_batch_size)
-                value = metric.get(task.selection_metric, float("nan"))
-                state.history["val_epoch"].append(state.epoch)
-                state.history["val_metric"].append(value)
-                log.info("epoch %d: val %s = %.4f", state.epoch, task.selection_metric, value)
-                if not (value <= state.best["metric"]):  # nan-safe: first epoch always selected
-                    state.best = {
-                        "epoch": state.epoch,
-                        "metric": value,
-                        "state": copy.deepcopy(chosen.state_dict()),
-                    }
+                last = state.epoch >= cfg.training.epochs or (
+                    engine is not None and popt.steps_taken >= plan["planned_steps"]  # type: ignore[index]
+                )
+                if state.epoch % cfg.training.eval_every == 0 or last:
+                    chosen = state.eval_model(model)
+                    metric = task.evaluate(chosen, "val", device, cfg.training.eval_batch_size)
+                    value = metric.get(task.selection_metric, float("nan"))
+                    state.history["val_epoch"].append(state.epoch)
+                    state.history["val_metric"].append(value)
+                    log.info("epoch %d: val %s = %.4f", state.epoch, task.selection_metric, value)
+                    if not (value <= state.best["metric"]):  # nan-safe: first epoch always selected
+                        state.best = {
+                            "epoch": state.epoch,
+                            "metric": value,
+                            "state": copy.deepcopy(chosen.state_dict()),
+                        }
                 _checkpoint(state, ckpt_path, model, popt, engine)
                 if stop_after_epochs is not None and epochs_this_session >= stop_after_epochs:
                     break
@@ -630,6 +638,26 @@ def _train_epoch(
     log.info("epoch %d done: %d samples, %.1f s", state.epoch + 1, seen, time.perf_counter() - t0)
 
 
+def _pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """Data-free pretraining on synthetic shapes (config only; see :mod:`.pretrain`)."""
+    from dpkfc_med.probes.presets import get_preset
+
+    p = cfg.pretrain
+    alpha = (
+        cfg.probes.alpha if cfg.probes.alpha is not None else get_preset(cfg.probes.preset).alpha
+    )
+    return pretrain_synthetic(
+        model,
+        PretrainSpec(steps=p.steps, batch_size=p.batch_size, lr=p.lr, seed=p.seed),
+        loss=task.loss,
+        spatial_shape=task.spatial_shape,
+        num_classes=task.num_classes,
+        spacing=task.spacing or (1.0,) * len(task.spatial_shape),
+        alpha=alpha,
+        device=device,
+    )
+
+
 def _unwrapped(pmodel: nn.Module) -> nn.Module:
     """The network inside Opacus' ``GradSampleModule`` (itself when not wrapped)."""
     return getattr(pmodel, "_module", pmodel)
@@ -689,6 +717,7 @@ def _checkpoint(
             "diag": state.diag,
             "best": state.best,
             "ema": state.ema.state_dict() if state.ema is not None else None,
+            "pretrain": state.pretrain,
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
@@ -712,6 +741,7 @@ def _restore(
     opt.load_state_dict(ck["optimizer"])
     state.epoch = int(ck["epoch"])
     state.history, state.diag, state.best = ck["history"], ck["diag"], ck["best"]
+    state.pretrain = ck.get("pretrain")
     if state.ema is not None and ck.get("ema") is not None:
         state.ema.load_state_dict(ck["ema"])
     torch.set_rng_state(ck["torch_rng"])
@@ -1000,6 +1030,7 @@ def build_report(
             "lr": cfg.training.lr,
             "momentum": cfg.training.momentum,
             "weight_decay": cfg.training.weight_decay,
+            "pretraining": state.pretrain,
             "lr_schedule": cfg.training.lr_schedule,
             "warmup_steps": cfg.training.warmup_steps,
             "weight_average": (

@@ -192,7 +192,9 @@ def hausdorff95_scores(
     with warnings.catch_warnings():
         # empty classes are handled below (nan / inf); MONAI's own deprecation is internal
         warnings.filterwarnings("ignore", message=".*may result in nan/inf distance")
-        warnings.filterwarnings("ignore", message=".*always_return_as_numpy", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*always_return_as_numpy", category=FutureWarning
+        )
         out = torch.as_tensor(
             compute_hausdorff_distance(
                 p, t, include_background=False, percentile=95, spacing=spacing

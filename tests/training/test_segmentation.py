@@ -124,7 +124,9 @@ def test_weight_average_is_released_and_lr_follows_the_cosine_plan(tmp_path):
 
     run = tmp_path / "ema"
     extra = ["training.ema_decay=0.9", "training.lr_schedule=cosine", "training.warmup_steps=1"]
-    code = main(["train", str(CONFIG), "--out", str(run), "--method", "dp-sgd", *_sets(TINY + extra)])
+    code = main(
+        ["train", str(CONFIG), "--out", str(run), "--method", "dp-sgd", *_sets(TINY + extra)]
+    )
     assert code == 0
     report = json.loads((run / "privacy_report.json").read_text())
     assert report["training"]["weight_average"]["decay"] == 0.9

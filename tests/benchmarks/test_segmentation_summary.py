@@ -1,0 +1,111 @@
+"""benchmarks/segmentation.py: per-epsilon learning-rate choice, gap fractions, summary, plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SEG_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "segmentation.py"
+
+
+@pytest.fixture(scope="module")
+def seg():
+    spec = importlib.util.spec_from_file_location("dpkfc_benchmarks_segmentation", SEG_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _run(phase, method, eps, lr, seed, val=0.5, test=0.5, study="main", lever="shipped"):
+    dice = {
+        "mean_dice": test,
+        "dice_per_class": {"A": test, "P": test},
+        "hd95_per_class": {"A": 2.0, "P": 4.0},
+    }
+    return {
+        "study": study,
+        "lever": lever,
+        "phase": phase,
+        "method": method,
+        "eps": eps,
+        "lr": lr,
+        "seed": seed,
+        "val": {"mean_dice": val},
+        "test": dice,
+        "epsilon_spent": eps,
+        "seconds": 60.0,
+        "evidence": {
+            "mean_clipped_fraction": 1.0,
+            "mean_layer_share": {"l": 1.0},
+            "mean_layer_snr": {"l": 0.1},
+        },
+    }
+
+
+def _data():
+    runs = [
+        _run("tune", "nonprivate", None, 0.01, 0, val=0.80),
+        _run("tune", "nonprivate", None, 0.03, 0, val=0.85),
+        _run("tune", "dp-sgd", 8.0, 0.01, 0, val=0.40),
+        _run("tune", "dp-sgd", 8.0, 0.03, 0, val=0.30),
+        _run("tune", "dp-kfc", 8.0, 0.01, 0, val=0.60),
+        _run("tune", "dp-kfc", 8.0, 0.03, 0, val=0.70),
+    ]
+    for seed, (a, b, c) in enumerate([(0.84, 0.30, 0.70), (0.86, 0.34, 0.72)], start=1):
+        runs += [
+            _run("eval", "nonprivate", None, 0.03, seed, test=a),
+            _run("eval", "dp-sgd", 8.0, 0.01, seed, test=b),
+            _run("eval", "dp-kfc", 8.0, 0.03, seed, test=c),
+            _run("eval", "dp-kfc", 8.0, 0.01, seed, test=0.99),  # not the chosen lr: ignored
+        ]
+    runs.append(
+        _run("tune", "dp-kfc", 8.0, 0.03, 0, val=0.72, study="levers", lever="no weight average")
+    )
+    return {
+        "runs": runs,
+        "epsilons": [8.0],
+        "seeds": [1, 2],
+        "lrs": [0.01, 0.03],
+        "class_names": ["A", "P"],
+    }
+
+
+def test_learning_rate_is_chosen_per_method_and_epsilon_on_validation(seg):
+    data = _data()
+    assert seg._best_lr(data, "nonprivate", None) == 0.03
+    assert seg._best_lr(data, "dp-sgd", 8.0) == 0.01
+    assert seg._best_lr(data, "dp-kfc", 8.0) == 0.03  # the lever run (0.72) is not a tuning run
+    assert seg._best_lr(data, "dp-kfc", 3.0) is None
+
+
+def test_gap_fraction_is_the_share_of_the_nonprivate_minus_dpsgd_gap(seg):
+    gaps = seg.gap_fractions(_data())
+    top, floor, kfc = 0.85, 0.32, 0.71  # means over the two evaluation seeds
+    assert gaps[8.0]["dp-kfc"] == pytest.approx((kfc - floor) / (top - floor))
+    assert gaps[8.0]["dp-sgd"] == pytest.approx(0.0)
+
+
+def test_summary_and_plot(seg, tmp_path):
+    data = _data()
+    text = seg.summarize(data)
+    assert "| dp-kfc | 8 | 0.03 | 0.710 +- 0.014 |" in text
+    assert f"| {100 * (0.71 - 0.32) / (0.85 - 0.32):.0f} % |" in text
+    assert "| no weight average | - | 0.720 |" in text
+    assert "| shipped | 0.400 | 0.700 |" in text
+    seg.plot(data, tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lever_configs_change_one_thing(seg):
+    base = {"privacy": {"max_grad_norm": 0.5, "target_epsilon": 8.0}, "training": {"lr": 1.0}}
+    key = {"lever": "clip norm x4", "method": "dp-sgd", "lr": 0.01, "seed": 2, "eps": 3.0}
+    cfg = seg._config_for(base, key)
+    assert cfg["privacy"]["max_grad_norm"] == 2.0 and cfg["privacy"]["target_epsilon"] == 3.0
+    assert cfg["training"] == {"lr": 0.01, "seed": 2} and cfg["method"] == "dp-sgd"
+    assert cfg["privacy"]["reproducible_noise"] is True
+    assert seg._run_name(key) == seg._run_name(dict(key))  # stable across processes

@@ -1,0 +1,109 @@
+"""Data-free pretraining: synthetic shapes from the config only, deterministic, private-data free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpkfc_med.cli import main
+from dpkfc_med.training.config import ConfigError, load_config
+from dpkfc_med.training.pretrain import synthetic_shapes
+from tests.conftest import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
+HIPPO = Path(SHARED_DATA) / "msd_hippocampus"
+TINY = [
+    "data.max_eval=2",
+    "data.patch_size=[16,16,16]",
+    "training.epochs=1",
+    "training.batch_size=3",
+    "training.progress=false",
+    "model.kwargs.channels=[4,8]",
+    "model.kwargs.strides=[2]",
+    "probes.num_probes=4",
+    "preconditioner.chunk_size=4",
+    "preconditioner.calibration_samples=2",
+    "pretrain.steps=3",
+    "pretrain.batch_size=2",
+]
+
+
+def _draw(seed):
+    g = torch.Generator().manual_seed(seed)
+    return synthetic_shapes(
+        (12, 16, 10), num=6, num_classes=3, spacing=(1.0, 1.0, 2.0), alpha=2.0, generator=g
+    )
+
+
+def test_synthetic_shapes_are_seeded_standardised_and_ordered_by_class():
+    x, y = _draw(3)
+    x2, y2 = _draw(3)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(_draw(4)[1], y)
+    assert x.shape == (6, 1, 12, 16, 10) and x.dtype == torch.float32
+    assert y.shape == (6, 12, 16, 10) and y.dtype == torch.int64
+    assert set(y.unique().tolist()) <= {0, 1, 2}
+    flat = x.flatten(1)
+    torch.testing.assert_close(flat.mean(1), torch.zeros(6), atol=1e-5, rtol=0)
+    torch.testing.assert_close(flat.std(1), torch.ones(6), atol=1e-4, rtol=0)
+    fg = (y > 0).flatten(1).double().mean(1)
+    assert torch.all((fg > 0.02) & (fg < 0.27))  # the drawn foreground fraction, 3-25 %
+    for i in range(6):  # class means ordered: 0, 1, 2 steps from the background, one sign
+        means = [float(x[i, 0][y[i] == c].mean()) for c in range(3) if (y[i] == c).sum() > 20]
+        diffs = torch.tensor(means).diff()
+        assert torch.all(diffs > 0) or torch.all(diffs < 0)
+
+
+def test_pretrain_refused_for_classification():
+    cfg = ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
+    with pytest.raises(ConfigError, match=r"pretrain.steps=5: .*segmentation"):
+        load_config(cfg, ["pretrain.steps=5"])
+    with pytest.raises(ConfigError, match=r"pretrain.steps=-1"):
+        load_config(CONFIG, ["pretrain.steps=-1"])
+
+
+def test_pretrained_weights_do_not_depend_on_the_private_data():
+    """Same config, two different private training sets: bitwise the same pretrained model."""
+    assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
+    from dpkfc_med.training.loop import _build_model, _pretrain, _seed_everything
+    from dpkfc_med.training.tasks import build_task
+
+    weights = []
+    for subset in (
+        ["data.max_train=4"],
+        ["data.max_train=7", "data.split_fractions=[0.5,0.25,0.25]"],
+    ):
+        cfg = load_config(CONFIG, TINY + subset)
+        task = build_task(cfg)
+        _seed_everything(cfg.training.seed)
+        model, _ = _build_model(cfg, task)
+        before = [p.detach().clone() for p in model.parameters()]
+        record = _pretrain(cfg, task, model, torch.device("cpu"))
+        assert record["steps"] == 3 and "no private" in record["data"]
+        weights.append([p.detach().clone() for p in model.parameters()])
+        assert any(not torch.equal(a, b) for a, b in zip(before, weights[-1]))
+    for a, b in zip(*weights):
+        assert torch.equal(a, b)
+
+
+def test_pretraining_is_recorded_in_the_report_and_validation_runs_every_k_epochs(tmp_path):
+    assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
+    run = tmp_path / "pt"
+    extra = ["data.max_train=5", "training.epochs=3", "training.eval_every=2"]
+    sets = [a for s in TINY + extra for a in ("--set", s)]
+    assert main(["train", str(CONFIG), "--out", str(run), "--method", "dp-sgd", *sets]) == 0
+    report = json.loads((run / "privacy_report.json").read_text())
+    record = report["training"]["pretraining"]
+    assert (
+        record["steps"] == 3
+        and record["batch_size"] == 2
+        and record["spatial_shape"] == [16, 16, 16]
+    )
+    assert "no privacy cost" in record["data"]
+    assert 0 < report["privacy"]["epsilon"]["prv"] <= 8.0
+    custodian = json.loads((run / "private_not_for_release" / "custodian_report.json").read_text())
+    assert custodian["history"]["val_epoch"] == [2, 3]  # every 2nd epoch and the last
