@@ -53,13 +53,19 @@ METHODS = ("nonprivate", "dp-sgd", "dp-kfc")
 # One lever changed at a time from the shipped config (the lever study).
 LEVERS: dict[str, dict[str, Any]] = {
     "shipped": {},
-    "24^3 patches x2, batch 16, 18 epochs (the previous recipe)": {
+    "no data-free pretraining": {"pretrain": {"steps": 0}},
+    "previous recipe (24^3 patches x2, batch 16, 18 epochs, no pretraining)": {
         "data": {"patch_size": [24, 24, 24], "patches_per_unit": 2},
         "training": {"batch_size": 16, "epochs": 18},
+        "pretrain": {"steps": 0},
     },
-    "batch 32, same epochs (fewer units per step, more steps)": {"training": {"batch_size": 32}},
-    "no weight average": {"training": {"ema_decay": None}},
-    "constant learning rate": {"training": {"lr_schedule": "constant", "warmup_steps": 0}},
+    "24^3 patches x2 instead of nearly whole volumes": {
+        "data": {"patch_size": [24, 24, 24], "patches_per_unit": 2}
+    },
+    "batch 32 (more, noisier steps)": {"training": {"batch_size": 32}},
+    "80 epochs (twice the steps, more noise per step)": {"training": {"epochs": 80}},
+    "weight average (decay 0.9)": {"training": {"ema_decay": 0.9}},
+    "cosine learning rate": {"training": {"lr_schedule": "cosine"}},
     "clip norm x4": {"privacy": {"max_grad_norm": "x4"}},
     "UNet channels 16-32-64 (4x parameters)": {"model": {"kwargs": {"channels": [16, 32, 64]}}},
     "K-FAC A only (no G factor)": {"preconditioner": {"factors": "a"}},
@@ -118,6 +124,11 @@ def _run_name(key: dict[str, Any]) -> str:
     lever = "" if key["lever"] == "shipped" else f"_lever{tag}"
     eps = "np" if key["eps"] is None else f"eps{key['eps']:g}"
     return f"{key['method']}_{eps}_lr{key['lr']:g}_s{key['seed']}{lever}"
+
+
+def _display_path(path: Path) -> str:
+    p = path.resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
 def _dice(m: dict[str, Any]) -> dict[str, Any]:
@@ -414,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study", choices=("main", "levers"), default="main")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--epsilons", default="8,3,1")
-    p.add_argument("--lrs", default="0.01,0.03")
+    p.add_argument("--lrs", default="0.003,0.01,0.03")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
@@ -434,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.study == "main":
         data.update(
             {
-                "config": str(args.config.resolve().relative_to(ROOT)),
+                "config": _display_path(args.config),
                 "config_contents": base,
                 "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
                 "lrs": [float(x) for x in args.lrs.split(",")],
@@ -447,27 +458,31 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         common = {"study": "main", "lever": "shipped"}
-        grid = [(m, None if m == "nonprivate" else e) for m in methods for e in epsilons]
-        grid = list(dict.fromkeys(grid))
-        tune = [
-            {**common, "phase": "tune", "method": m, "eps": e, "lr": lr, "seed": 0}
-            for m, e in grid
-            for lr in data["lrs"]
-        ]
-        _run_all(tune, base, data, out, args.runs_dir, args.workers)
-        evals = [
-            {
-                **common,
-                "phase": "eval",
-                "method": m,
-                "eps": e,
-                "lr": _best_lr(data, m, e),
-                "seed": s,
-            }
-            for m, e in grid
-            for s in data["seeds"]
-        ]
-        _run_all(evals, base, data, out, args.runs_dir, args.workers)
+        # One epsilon at a time (non-private first), so a partial study holds whole rows.
+        for eps in [None, *epsilons]:
+            ms = ["nonprivate"] if eps is None else [m for m in methods if m != "nonprivate"]
+            if eps is None and "nonprivate" not in methods:
+                continue
+            tune = [
+                {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0}
+                for m in ms
+                for lr in data["lrs"]
+            ]
+            _run_all(tune, base, data, out, args.runs_dir, args.workers)
+            evals = [
+                {
+                    **common,
+                    "phase": "eval",
+                    "method": m,
+                    "eps": eps,
+                    "lr": _best_lr(data, m, eps),
+                    "seed": s,
+                }
+                for m in ms
+                for s in data["seeds"]
+            ]
+            _run_all(evals, base, data, out, args.runs_dir, args.workers)
+            out.with_suffix(".md").write_text(summarize(data))
     else:
         jobs = []
         for lever in list(LEVERS)[1:]:  # "shipped" is the main study's tuning run
