@@ -62,6 +62,9 @@ LEVERS: dict[str, dict[str, Any]] = {
     "24^3 patches x2 instead of nearly whole volumes": {
         "data": {"patch_size": [24, 24, 24], "patches_per_unit": 2}
     },
+    "augmentation multiplicity: 2 random crops per patient, summed before clipping": {
+        "data": {"patches_per_unit": 2}
+    },
     "batch 32 (more, noisier steps)": {"training": {"batch_size": 32}},
     "80 epochs (twice the steps, more noise per step)": {"training": {"epochs": 80}},
     "weight average (decay 0.9)": {"training": {"ema_decay": 0.9}},
@@ -69,8 +72,12 @@ LEVERS: dict[str, dict[str, Any]] = {
     "clip norm x4": {"privacy": {"max_grad_norm": "x4"}},
     "UNet channels 16-32-64 (4x parameters)": {"model": {"kwargs": {"channels": [16, 32, 64]}}},
     "K-FAC A only (no G factor)": {"preconditioner": {"factors": "a"}},
+    "probe targets: smooth blobs on a background": {"probes": {"target": "shapes"}},
 }
-LEVER_METHODS = {"K-FAC A only (no G factor)": ("dp-kfc",)}
+LEVER_METHODS = {
+    "K-FAC A only (no G factor)": ("dp-kfc",),
+    "probe targets: smooth blobs on a background": ("dp-kfc",),
+}
 
 
 def _job(args: tuple[dict[str, Any], dict[str, Any], str, int]) -> dict[str, Any]:

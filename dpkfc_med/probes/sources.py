@@ -39,6 +39,7 @@ __all__ = [
     "TargetRule",
     "Task",
     "check_probe_batch",
+    "shape_label_maps",
     "sample_model_targets",
 ]
 
@@ -106,10 +107,13 @@ class TargetRule(str, Enum):
             segmentation: random spatially coherent regions).
         MODEL: Sampled from the model's softmax on the probes (the "true Fisher" labels of
             KFAC), computed under ``torch.no_grad()`` in the model's current train/eval mode.
+        SHAPES: Segmentation only: smooth foreground blobs on a dominant background
+            (:func:`shape_label_maps`), independent of the inputs and the model.
     """
 
     UNIFORM = "uniform"
     MODEL = "model"
+    SHAPES = "shapes"
 
 
 def _check_seed(seed: int) -> int:
@@ -263,6 +267,42 @@ def _uniform_label_maps(
     return fields.argmax(dim=1)
 
 
+def shape_label_maps(
+    shape: Sequence[int],
+    *,
+    num: int,
+    num_classes: int,
+    spacing: Sequence[float],
+    generator: torch.Generator,
+    foreground: tuple[float, float] = (0.03, 0.25),
+) -> Tensor:
+    """``[M, *spatial]`` label maps of smooth foreground blobs on a background (class 0).
+
+    The blobs are where a smooth power-law field (exponent :data:`LABEL_FIELD_ALPHA`) exceeds
+    its ``1 - f`` quantile, ``f`` drawn uniformly from ``foreground`` per map; inside them the
+    class is the argmax of ``K - 1`` further smooth fields. So the background dominates, as in
+    medical segmentation, and the foreground classes form adjacent coherent parts.
+    """
+    shape = tuple(int(s) for s in shape)
+    fields = pink_noise(
+        shape,
+        batch=num,
+        channels=num_classes,
+        alpha=LABEL_FIELD_ALPHA,
+        spacing=tuple(float(s) for s in spacing),
+        generator=generator,
+        dtype=torch.float32,
+    )
+    blob = fields[:, 0].flatten(1)
+    lo, hi = foreground
+    frac = lo + (hi - lo) * torch.rand(num, generator=generator, dtype=torch.float32)
+    threshold = torch.stack([torch.quantile(b, 1.0 - f) for b, f in zip(blob, frac)])
+    inside = (fields[:, 0] > threshold.view(-1, *([1] * len(shape)))).long()
+    if num_classes > 2:
+        return inside * (1 + fields[:, 1:].argmax(dim=1))
+    return inside
+
+
 class ImageProbeSource:
     """Pink- or white-noise images / volumes with uniform or model-sampled targets.
 
@@ -322,6 +362,11 @@ class ImageProbeSource:
         self.kind = parse_option(NoiseKind, kind, "kind")
         self.spacing = _check_spacing(spacing, len(self.spatial_shape))
         self.target = parse_option(TargetRule, target, "target")
+        if self.target is TargetRule.SHAPES and self.task is not Task.SEGMENTATION:
+            raise ValueError(
+                "target='shapes' draws label maps and applies to task='segmentation'; use "
+                "'uniform' or 'model' for classification"
+            )
 
         if self.kind is NoiseKind.WHITE:
             if alpha is not None:
@@ -427,6 +472,14 @@ class ImageProbeSource:
             )
         elif self.task is Task.CLASSIFICATION:
             targets = torch.randint(self.num_classes, (num,), generator=generator)
+        elif self.target is TargetRule.SHAPES:
+            targets = shape_label_maps(
+                self.spatial_shape,
+                num=num,
+                num_classes=self.num_classes,
+                spacing=self.spacing,
+                generator=generator,
+            )
         else:
             targets = _uniform_label_maps(
                 self.spatial_shape,
@@ -453,6 +506,11 @@ class ImageProbeSource:
             )
         elif self.task is Task.CLASSIFICATION:
             target_rule = "uniform random class ids"
+        elif self.target is TargetRule.SHAPES:
+            target_rule = (
+                "smooth foreground blobs (3-25 % of voxels) on a background, split between the "
+                f"foreground classes by smooth fields (alpha={LABEL_FIELD_ALPHA:g})"
+            )
         else:
             target_rule = (
                 f"per-voxel argmax of {self.num_classes} independent standardised pink-noise "

@@ -295,7 +295,7 @@ _CHOICES: dict[str, list[str]] = {
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
     "privacy.accountant": ["prv", "rdp"],
-    "probes.target": ["uniform", "model"],
+    "probes.target": ["uniform", "model", "shapes"],
     "model.norm": ["group", "instance"],
 }
 _POSITIVE = {

@@ -1,12 +1,12 @@
 """Data-free pretraining: non-private steps on synthetic shape volumes before private training.
 
 The synthetic task is "segment smooth blobs of distinct intensity": each volume is a label map
-of random smooth foreground blobs (a thresholded power-law field, split between the foreground
-classes by further smooth fields) and an image in which every class has its own random mean
-intensity (class ``c`` at ``c`` random contrast steps from the background), plus power-law texture, standardised like the private volumes' preprocessing. It is
-generated on the fly from a seed and the config (patch size, voxel spacing, class count, the
-modality preset's exponent) only, so pretraining reads no private data, costs no privacy, and
-the run's guarantee is unchanged; the report records it as provenance of the initial weights.
+of random smooth foreground blobs (:func:`~dpkfc_med.probes.sources.shape_label_maps`) and an
+image in which class ``c`` sits ``c`` random contrast steps from the background, plus power-law
+texture, standardised like the private volumes' preprocessing. It is generated on the fly from
+a seed and the config (patch size, voxel spacing, class count, the modality preset's exponent)
+only, so pretraining reads no private data, costs no privacy, and the run's guarantee is
+unchanged; the report records it as provenance of the initial weights.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from dpkfc_med.probes.noise import pink_noise
-from dpkfc_med.probes.sources import LABEL_FIELD_ALPHA
+from dpkfc_med.probes.sources import shape_label_maps
 
 __all__ = ["PretrainSpec", "pretrain_synthetic", "synthetic_shapes"]
 
@@ -58,24 +58,14 @@ def synthetic_shapes(
     """
     shape = tuple(int(s) for s in spatial_shape)
     spacing = tuple(float(s) for s in spacing)
-    fields = pink_noise(
+    labels = shape_label_maps(
         shape,
-        batch=num,
-        channels=num_classes,
-        alpha=LABEL_FIELD_ALPHA,
+        num=num,
+        num_classes=num_classes,
         spacing=spacing,
         generator=generator,
-        dtype=torch.float32,
+        foreground=foreground,
     )
-    blob = fields[:, 0].flatten(1)
-    lo, hi = foreground
-    frac = lo + (hi - lo) * torch.rand(num, generator=generator, dtype=torch.float32)
-    threshold = torch.stack([torch.quantile(b, 1.0 - f) for b, f in zip(blob, frac)])
-    inside = (fields[:, 0] > threshold.view(-1, *([1] * len(shape)))).long()
-    if num_classes > 2:
-        labels = inside * (1 + fields[:, 1:].argmax(dim=1))
-    else:
-        labels = inside
     # Class c sits c contrast steps from the background: a random step size and sign per
     # volume, so the classes are told apart by their ordering, not by one fixed intensity.
     step = 0.5 + torch.rand(num, 1, generator=generator, dtype=torch.float32)

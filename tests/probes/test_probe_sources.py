@@ -91,6 +91,32 @@ def test_segmentation_uniform_targets(shape, spacing) -> None:
     assert float(same) > 0.8
 
 
+def test_segmentation_shape_targets_are_blobs_on_a_background() -> None:
+    shape = (16, 20, 12)
+    src = ImageProbeSource(
+        shape, channels=1, num_classes=3, task="segmentation", spacing=(1, 1, 2), target="shapes"
+    )
+    batch = src.sample(6, seed=4)
+    again = src.sample(6, seed=4)
+    uniform = ImageProbeSource(
+        shape, channels=1, num_classes=3, task="segmentation", spacing=(1, 1, 2)
+    ).sample(6, seed=4)
+    assert torch.equal(batch.targets, again.targets)
+    assert torch.equal(batch.inputs, uniform.inputs)  # only the targets change
+    t = batch.targets
+    assert t.shape == (6, *shape) and t.dtype == torch.int64
+    fg = (t > 0).flatten(1).double().mean(1)
+    assert torch.all((fg > 0.02) & (fg < 0.27))  # background dominates: 3-25 % foreground
+    # coherent blobs: neighbours agree far more often than i.i.d. labels with these marginals
+    p = torch.stack([(t == c).double().mean() for c in range(3)])
+    iid = float((p**2).sum())
+    same = float((t[:, 1:] == t[:, :-1]).double().mean())
+    assert 1 - same < 0.5 * (1 - iid)
+    assert "blobs" in src.describe()["target_rule"]
+    with pytest.raises(ValueError, match="segmentation"):
+        ImageProbeSource((8, 8), channels=1, num_classes=2, target="shapes")
+
+
 def test_model_targets_classification_follow_model() -> None:
     src = ImageProbeSource((12, 12), channels=1, num_classes=3, target="model")
     model = _ConstantClassifier([0.0, 12.0, 0.0])
@@ -171,7 +197,7 @@ def test_alpha_from_preset_and_override() -> None:
         ({"task": "segmentaton"}, "did you mean 'segmentation'"),
         (
             {"target": "modle"},
-            r"target='modle' is not one of \['uniform', 'model'\]; did you mean 'model'",
+            r"target='modle' is not one of \['uniform', 'model', 'shapes'\]; did you mean 'model'",
         ),
         ({"preset": "fundis"}, "did you mean 'fundus'"),
         ({"intensity": "unitrange"}, "did you mean 'unit_range'"),

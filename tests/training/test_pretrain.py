@@ -107,3 +107,19 @@ def test_pretraining_is_recorded_in_the_report_and_validation_runs_every_k_epoch
     assert 0 < report["privacy"]["epsilon"]["prv"] <= 8.0
     custodian = json.loads((run / "private_not_for_release" / "custodian_report.json").read_text())
     assert custodian["history"]["val_epoch"] == [2, 3]  # every 2nd epoch and the last
+
+
+def test_shipped_hippocampus_configs_are_one_recipe_at_three_epsilons():
+    """eps1/eps3/eps8 differ only in name, target epsilon and the benchmark-chosen lr."""
+    import yaml
+
+    loaded = {}
+    for eps in (1, 3, 8):
+        path = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps}.yaml"
+        cfg = load_config(path)  # validates
+        assert cfg.privacy.target_epsilon == float(eps) and cfg.name == path.stem
+        raw = yaml.safe_load(path.read_text())
+        raw.pop("name"), raw["privacy"].pop("target_epsilon"), raw["training"].pop("lr")
+        loaded[eps] = raw
+        assert cfg.data.patch_size and cfg.data.spacing and cfg.data.num_classes == 3
+    assert loaded[1] == loaded[3] == loaded[8]
