@@ -434,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epsilons", default="8,3,1")
     p.add_argument("--lrs", default="0.003,0.01,0.03")
     p.add_argument("--seeds", default="1,2,3")
+    p.add_argument(
+        "--levers",
+        help="lever study: comma-separated lever numbers (1 = the first after 'shipped'); "
+        "default all",
+    )
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
     p.add_argument(
@@ -492,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
             out.with_suffix(".md").write_text(summarize(data))
     else:
         jobs = []
-        for lever in list(LEVERS)[1:]:  # "shipped" is the main study's tuning run
+        chosen = list(LEVERS)[1:]  # "shipped" is the main study's tuning run
+        if args.levers:
+            chosen = [chosen[int(i) - 1] for i in args.levers.split(",")]
+        for lever in chosen:
             for m in LEVER_METHODS.get(lever, tuple(x for x in methods if x != "nonprivate")):
                 lr = _best_lr(data, m, 8.0)
                 if lr is None:

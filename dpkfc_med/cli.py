@@ -151,6 +151,9 @@ def _train(args: argparse.Namespace) -> int:
     for key in ("accuracy", "balanced_accuracy", "auroc", "mean_dice"):
         if key in test:
             print(f"test {key}: {test[key]:.4f}")
+    if test.get("hd95_per_class"):
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in test["hd95_per_class"].items())
+        print(f"test Hausdorff-95 (mm): {parts}")
     print(f"report: {result.run_dir / 'privacy_report.md'}")
     return 0
 
