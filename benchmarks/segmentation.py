@@ -69,7 +69,7 @@ LEVERS: dict[str, dict[str, Any]] = {
     "80 epochs (twice the steps, more noise per step)": {"training": {"epochs": 80}},
     "weight average (decay 0.9)": {"training": {"ema_decay": 0.9}},
     "cosine learning rate": {"training": {"lr_schedule": "cosine"}},
-    "clip norm x4": {"privacy": {"max_grad_norm": "x4"}},
+    "clip norm x0.25": {"privacy": {"max_grad_norm": "x0.25"}},
     "UNet channels 16-32-64 (4x parameters)": {"model": {"kwargs": {"channels": [16, 32, 64]}}},
     "K-FAC A only (no G factor)": {"preconditioner": {"factors": "a"}},
     "probe targets: smooth blobs on a background": {"probes": {"target": "shapes"}},

@@ -64,7 +64,7 @@ def _data():
             _run("eval", "dp-kfc", 8.0, 0.01, seed, test=0.99),  # not the chosen lr: ignored
         ]
     runs.append(
-        _run("tune", "dp-kfc", 8.0, 0.03, 0, val=0.72, study="levers", lever="no weight average")
+        _run("tune", "dp-kfc", 8.0, 0.03, 0, val=0.72, study="levers", lever="weight average (decay 0.9)")
     )
     return {
         "runs": runs,
@@ -95,7 +95,7 @@ def test_summary_and_plot(seg, tmp_path):
     text = seg.summarize(data)
     assert "| dp-kfc | 8 | 0.03 | 0.710 +- 0.014 |" in text
     assert f"| {100 * (0.71 - 0.32) / (0.85 - 0.32):.0f} % |" in text
-    assert "| no weight average | - | 0.720 |" in text
+    assert "| weight average (decay 0.9) | - | 0.720 |" in text
     assert "| shipped | 0.400 | 0.700 |" in text
     seg.plot(data, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -103,9 +103,9 @@ def test_summary_and_plot(seg, tmp_path):
 
 def test_lever_configs_change_one_thing(seg):
     base = {"privacy": {"max_grad_norm": 0.5, "target_epsilon": 8.0}, "training": {"lr": 1.0}}
-    key = {"lever": "clip norm x4", "method": "dp-sgd", "lr": 0.01, "seed": 2, "eps": 3.0}
+    key = {"lever": "clip norm x0.25", "method": "dp-sgd", "lr": 0.01, "seed": 2, "eps": 3.0}
     cfg = seg._config_for(base, key)
-    assert cfg["privacy"]["max_grad_norm"] == 2.0 and cfg["privacy"]["target_epsilon"] == 3.0
+    assert cfg["privacy"]["max_grad_norm"] == 0.125 and cfg["privacy"]["target_epsilon"] == 3.0
     assert cfg["training"] == {"lr": 0.01, "seed": 2} and cfg["method"] == "dp-sgd"
     assert cfg["privacy"]["reproducible_noise"] is True
     assert seg._run_name(key) == seg._run_name(dict(key))  # stable across processes
