@@ -17,6 +17,8 @@ import math
 import sys
 from typing import Any
 
+from dpkfc_med import __version__
+
 __all__ = ["main"]
 
 
@@ -25,6 +27,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="dpkfc-med",
         description="Differentially private training of MONAI models with DP-KFC or DP-SGD.",
     )
+    p.add_argument("--version", action="version", version=f"dpkfc-med {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",

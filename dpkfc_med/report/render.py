@@ -43,7 +43,7 @@ FAILED_NOTE = (
 )
 NONPRIVATE_NOTE = (
     "this model was trained without differential privacy (no clipping, no noise); it may "
-    "reveal information about individual training {unit}s and must be handled as the private "
+    "reveal information about individual training {units} and must be handled as the private "
     "data itself"
 )
 DIAGNOSTICS_NOTE = (
@@ -232,7 +232,7 @@ def guarantee_sentence(report: Mapping[str, Any]) -> str:
     """The one-sentence (epsilon, delta) statement of the summary box."""
     p, unit = report["privacy"], report["data"]["privacy_unit"]
     if not p["private"]:
-        return "NO PRIVACY GUARANTEE: " + NONPRIVATE_NOTE.format(unit=unit)
+        return "NO PRIVACY GUARANTEE: " + NONPRIVATE_NOTE.format(units=plural(unit))
     eps, primary = p["epsilon"], p["accountant"]
     checks = []
     for name in ("prv", "rdp", "pld"):
@@ -324,7 +324,9 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     elif report["status"] == "failed":
         doc.append(Banner("FAILED RUN", FAILED_NOTE, "warning"))
     if not p["private"]:
-        doc.append(Banner("NO PRIVACY GUARANTEE", NONPRIVATE_NOTE.format(unit=unit), "danger"))
+        doc.append(
+            Banner("NO PRIVACY GUARANTEE", NONPRIVATE_NOTE.format(units=plural(unit)), "danger")
+        )
     for text in p.get("headline_warnings") or []:
         title = next(
             (
@@ -421,7 +423,15 @@ def _not_covered(report: Mapping[str, Any]) -> list[Block]:
 
 def _steps_text(p: Mapping[str, Any]) -> str:
     planned = f" of {p['planned_steps']} planned" if p["planned_steps"] is not None else ""
-    return f"{p['steps']}{planned} ({p['epochs']:.3g} epochs)"
+    epochs = f"{p['epochs']:.3g}"
+    return f"{p['steps']}{planned} ({epochs} epoch{'' if epochs == '1' else 's'})"
+
+
+def plural(unit: str) -> str:
+    """Plural of a privacy-unit phrase: ``"image (MedMNIST)"`` -> ``"images (MedMNIST)"``."""
+    head, sep, tail = unit.partition(" (")
+    words = head.split("/")
+    return "/".join(w if w.endswith("s") else w + "s" for w in words) + sep + tail
 
 
 def _summary(report: Mapping[str, Any]) -> list[Block]:
@@ -432,7 +442,7 @@ def _summary(report: Mapping[str, Any]) -> list[Block]:
     if not p["private"]:
         guarantee = (
             Span("NO PRIVACY GUARANTEE", "strong"),
-            ": " + NONPRIVATE_NOTE.format(unit=data["privacy_unit"]),
+            ": " + NONPRIVATE_NOTE.format(units=plural(data["privacy_unit"])),
         )
     rows: list[tuple[Inline, Any]] = [
         ("Status", status[report["status"]]),

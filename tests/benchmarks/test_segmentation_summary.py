@@ -64,7 +64,16 @@ def _data():
             _run("eval", "dp-kfc", 8.0, 0.01, seed, test=0.99),  # not the chosen lr: ignored
         ]
     runs.append(
-        _run("tune", "dp-kfc", 8.0, 0.03, 0, val=0.72, study="levers", lever="weight average (decay 0.9)")
+        _run(
+            "tune",
+            "dp-kfc",
+            8.0,
+            0.03,
+            0,
+            val=0.72,
+            study="levers",
+            lever="weight average (decay 0.9)",
+        )
     )
     return {
         "runs": runs,

@@ -404,3 +404,15 @@ def test_adambc_subtracts_the_runs_own_noise_variance(tmp_path):
     groups = torch.load(out / "checkpoint.pt", weights_only=False)["optimizer"]["param_groups"]
     assert groups[0]["noise_variance"] == pytest.approx(phi, rel=1e-12)
     assert groups[0]["gamma"] == pytest.approx(phi, rel=1e-12)
+
+
+def test_version_matches_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dpkfc-med {version('dpkfc_med')}"
+    root = Path(__file__).resolve().parents[2]
+    assert "Apache License" in (root / "LICENSE").read_text()[:200]
+    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
