@@ -1,4 +1,4 @@
-"""Data-free pretraining: synthetic shapes from the config only, deterministic, private-data free."""
+"""Data-free pretraining: synthetic shapes from the config only, deterministic, no private data."""
 
 from __future__ import annotations
 
