@@ -513,4 +513,27 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(["the file must hold a mapping of sections (data, model, ...)"], str(p))
     data.setdefault("name", p.stem)
     apply_overrides(data, overrides or [])
-    return config_from_dict(data, str(p))
+    try:
+        return config_from_dict(data, str(p))
+    except ConfigError as err:
+        raise _name_overrides(err, overrides or [], str(p)) from None
+
+
+def _name_overrides(err: ConfigError, overrides: list[str], path: str) -> ConfigError:
+    """Attribute problems of overridden fields to their ``--set``, not to the YAML file."""
+    keys = {item.split("=", 1)[0].strip(): item for item in overrides if "=" in item}
+    problems, from_file = [], False
+    for problem in err.problems:
+        field = problem.split("=", 1)[0].split(":", 1)[0].strip()
+        item = keys.get(field)
+        if item is None:
+            from_file = True
+            problems.append(problem)
+        else:
+            problems.append(f"--set {item}: {problem.split(': ', 1)[-1]}")
+    source = (
+        f"{path} and its --set overrides"
+        if from_file and keys
+        else (path if from_file else "the --set overrides")
+    )
+    return ConfigError(problems, source)

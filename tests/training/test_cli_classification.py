@@ -416,3 +416,21 @@ def test_version_matches_the_package_metadata(capsys):
     root = Path(__file__).resolve().parents[2]
     assert "Apache License" in (root / "LICENSE").read_text()[:200]
     assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
+
+
+def test_set_override_errors_name_the_override_not_the_file(tmp_path, capsys):
+    cfg = Path(__file__).resolve().parents[2] / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
+    out = tmp_path / "run"
+    code = main(["train", str(cfg), "--out", str(out), "--set", "training.lr=abc"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "config error in the --set overrides" in err
+    assert "--set training.lr=abc: must be a number" in err
+    assert "pneumoniamnist_cnn_2d_eps1.yaml" not in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("optimizer: sgd", "optimiser: sgd"))
+    assert main(["train", str(bad), "--out", str(out), "--set", "training.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad} and its --set overrides" in err
+    assert "--set training.lrr=1: unknown field (did you mean 'lr'?)" in err
+    assert "\n  training.optimiser: unknown field" in err
