@@ -73,10 +73,18 @@ LEVERS: dict[str, dict[str, Any]] = {
     "UNet channels 16-32-64 (4x parameters)": {"model": {"kwargs": {"channels": [16, 32, 64]}}},
     "K-FAC A only (no G factor)": {"preconditioner": {"factors": "a"}},
     "probe targets: smooth blobs on a background": {"probes": {"target": "shapes"}},
+    "preconditioner family: Shampoo (L^-1/4 g R^-1/4 from probe gradients)": {
+        "preconditioner": {"family": "shampoo"}
+    },
+    "preconditioner family: diagonal (probe gradient second moment)": {
+        "preconditioner": {"family": "diagonal"}
+    },
 }
 LEVER_METHODS = {
     "K-FAC A only (no G factor)": ("dp-kfc",),
     "probe targets: smooth blobs on a background": ("dp-kfc",),
+    "preconditioner family: Shampoo (L^-1/4 g R^-1/4 from probe gradients)": ("dp-kfc",),
+    "preconditioner family: diagonal (probe gradient second moment)": ("dp-kfc",),
 }
 
 

@@ -56,6 +56,7 @@ from dpkfc_med.curvature.factors import (
     covered_layers,
     estimate_factors,
 )
+from dpkfc_med.curvature.families import Family, estimate_gradient_statistics
 from dpkfc_med.curvature.linalg import EighFallback, robust_eigh
 from dpkfc_med.utils import check_choice
 
@@ -105,6 +106,14 @@ class PreconditionerConfig:
     """Settings of the probe-only preconditioner.
 
     Attributes:
+        family: ``"kfac"`` (default: Kronecker factors of activations and output errors),
+            ``"shampoo"`` (``L^{-p} g R^{-p}`` with ``L = E[g g^T]``, ``R = E[g^T g]`` of the
+            probes' per-sample gradients, ``p = shampoo_exponent``; ``damping_g`` damps ``L``,
+            ``damping_a`` damps ``R``) or ``"diagonal"`` (``g / sqrt(E[g^2] + damping_a *
+            mean)`` elementwise, every parameter included); :mod:`.families`. ``factors``,
+            ``rank_a`` and ``conv_a`` are K-FAC settings.
+        shampoo_exponent: ``p`` of the Shampoo transform (1/4: the two sides together give
+            the inverse square root of a Kronecker approximation of ``E[vec(g) vec(g)^T]``).
         factors: ``"a"`` (default: activation whitening only), ``"ag"`` or ``"identity"``.
             The default follows the benchmarks (``benchmarks/results``): on PneumoniaMNIST
             the probe ``G`` factors are nearly rank-deficient (two classes) and full A+G with
@@ -179,14 +188,17 @@ class PreconditionerConfig:
     conv_a: str = "full"
     rank_a: int | None = 64
     step: str = "transformed"
+    family: Family | str = Family.KFAC
+    shampoo_exponent: float = 0.25
 
     def __post_init__(self) -> None:
+        self.family = check_choice("preconditioner.family", self.family, Family)
         self.factors = check_choice("preconditioner.factors", self.factors, FactorMode)
         self.reduction = check_choice("preconditioner.reduction", self.reduction, FactorReduction)
         self.scaling = check_choice("preconditioner.scaling", self.scaling, ScaleRule)
         self.fallback = check_choice("preconditioner.fallback", self.fallback, FallbackRule)
         problems = []
-        for key in ("damping_a", "damping_g", "fallback_damping"):
+        for key in ("damping_a", "damping_g", "fallback_damping", "shampoo_exponent"):
             v = getattr(self, key)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 problems.append(f"preconditioner.{key}={v!r}: must be a positive number (e.g. 0.1)")
@@ -242,16 +254,18 @@ def inverse_sqrt_with_spectrum(
     layer: str = "",
     part: str = "",
     record: list[EighFallback] | None = None,
+    power: float = 0.5,
 ) -> tuple[Tensor, Tensor]:
     """:func:`inverse_sqrt` and the factor's eigenvalues ``[G, n]`` (one decomposition).
 
     ``layer``, ``part`` and ``record`` label and collect decomposition fallbacks
-    (:func:`~dpkfc_med.curvature.linalg.robust_eigh`).
+    (:func:`~dpkfc_med.curvature.linalg.robust_eigh`). ``power``: the inverse root taken,
+    ``(F + damping * mean_eig)^{-power}`` (1/2 by default; Shampoo uses 1/4).
     """
     if factor.dim() == 2:
         mean = factor.mean(dim=-1, keepdim=True)
         lam = factor.clamp_min(0) + damping * mean
-        out = lam.rsqrt()
+        out = lam.rsqrt() if power == 0.5 else lam.pow(-power)
         return torch.where(mean > 0, out, torch.ones_like(out)), factor
     # Decompose the damped matrix: a factor with many exactly-zero rows (e.g. conv taps that
     # only ever see padding) can make LAPACK's eigh fail to converge; the shift fixes that and
@@ -264,7 +278,8 @@ def inverse_sqrt_with_spectrum(
     # eigenvalues of the undamped factor are clamped at 0, i.e. lam at damping * mean
     lam = torch.maximum(lam, damping * mean[:, None])
     ok = (mean > 0)[:, None]
-    inv = torch.where(ok, lam.clamp_min(torch.finfo(lam.dtype).tiny).rsqrt(), torch.ones_like(lam))
+    lam = lam.clamp_min(torch.finfo(lam.dtype).tiny)
+    inv = torch.where(ok, lam.rsqrt() if power == 0.5 else lam.pow(-power), torch.ones_like(lam))
     return (evecs * inv.unsqueeze(-2)) @ evecs.transpose(-1, -2), evals
 
 
@@ -540,6 +555,9 @@ class KroneckerBlock:
         scale: the scalar ``s``.
         a_kron: structured ``U_A = U_C (x) U_K`` (``conv_a="kron"``); replaces ``u_a``.
         a_low: low-rank-plus-tail ``U_A`` (``rank_a``); replaces ``u_a``.
+        u_elem: elementwise transform ``[G, n_g, n_a]`` (the diagonal family), applied to
+            the materialised per-sample gradient before ``U_G`` / ``U_A`` (which are then
+            ``None``).
     """
 
     name: str
@@ -550,6 +568,7 @@ class KroneckerBlock:
     scale: float = 1.0
     a_kron: KronA | None = None
     a_low: LowRankA | None = None
+    u_elem: Tensor | None = None
 
     @property
     def dims(self) -> tuple[int, int, int]:
@@ -575,6 +594,8 @@ class KroneckerBlock:
         ``"factored"`` transforms ``a`` and ``delta``; ``"materialized"`` transforms the
         per-sample gradient; the one with fewer multiply-adds wins.
         """
+        if self.u_elem is not None:  # an elementwise transform needs the per-sample gradient
+            return "materialized"
         factored, materialized = self._cost(b, t)
         return "factored" if factored <= materialized else "materialized"
 
@@ -605,8 +626,8 @@ class KroneckerBlock:
         return torch.cat(parts)
 
     def transform_grads(self, grads: Tensor) -> Tensor:
-        """``[B, G, n_g, n_a] -> s U_G grads U_A`` (the literal per-sample product)."""
-        out = grads
+        """``[B, G, n_g, n_a] -> s U_G (u_elem * grads) U_A`` (the literal per-sample product)."""
+        out = grads if self.u_elem is None else grads * self.u_elem
         if self.a_kron is not None:
             out = self.a_kron.right(out)
         elif self.a_low is not None:
@@ -714,7 +735,9 @@ class KroneckerBlock:
             w_out = a.new_empty(b, g, n_g, n_w)
         if has_bias and b_out is None:
             b_out = a.new_empty(b, g, n_g)
-        path = "materialized" if mixed else (path or self.choose_path(b, t))
+        path = (
+            "materialized" if mixed or self.u_elem is not None else (path or self.choose_path(b, t))
+        )
         raw_w = delta.transpose(-1, -2) @ a if path == "materialized" else None
         raw_b = delta.sum(-2) if has_bias else None  # [B, G, n_g]
         raw_sq = None
@@ -737,6 +760,14 @@ class KroneckerBlock:
                     prod(d_cols, a_t[..., n_w:], out=b_out.unsqueeze(-1))
                 else:
                     torch.mul(d.sum(-2), c, out=b_out)
+            return w_out, b_out, raw_sq
+        if self.u_elem is not None:  # diagonal family: elementwise on the raw gradient
+            assert raw_w is not None
+            u, sc = self.u_elem, self.scale
+            torch.mul(raw_w, u[..., :n_w] * sc, out=w_out)
+            if b_out is not None:
+                assert raw_b is not None
+                torch.mul(raw_b, u[..., n_w] * sc, out=b_out)
             return w_out, b_out, raw_sq
         if mixed and self.u_g is None and self.a_kron is not None:
             # the default A-only kron step: U_K and the scale in one matmul into the output
@@ -874,7 +905,19 @@ class KroneckerPreconditioner:
         factors: dict[str, KroneckerFactors] = {}
         spectra: dict[str, dict[str, Any]] = {}
         eig_fallbacks: list[EighFallback] = []
-        if cfg.factors is not FactorMode.IDENTITY:
+        stats = {}
+        if cfg.family is not Family.KFAC:
+            stats = estimate_gradient_statistics(
+                model,
+                inputs,
+                targets,
+                loss_fn,
+                covered,
+                cfg.family,  # type: ignore[arg-type]
+                chunk_size=cfg.chunk_size,
+                max_factor_dim=cfg.max_factor_dim,
+            )
+        elif cfg.factors is not FactorMode.IDENTITY:
             factors = estimate_factors(
                 model,
                 inputs,
@@ -896,7 +939,38 @@ class KroneckerPreconditioner:
             u_a = u_g = None
             a_kron: KronA | None = None
             a_low: LowRankA | None = None
-            if name in factors:
+            u_elem: Tensor | None = None
+            if name in stats:
+                st = stats[name]
+                ref_p: Tensor = module.weight  # type: ignore[assignment]
+                dt = torch.promote_types(eig_dtype, ref_p.dtype)
+                if st.second_moment is not None:  # diagonal family
+                    v = st.second_moment
+                    mean = v.flatten(1).mean(1).view(-1, 1, 1)
+                    inv = (v.clamp_min(0) + cfg.damping_a * mean).rsqrt()
+                    u_elem = torch.where(mean > 0, inv, torch.ones_like(inv)).to(ref_p.dtype)
+                else:  # Shampoo: L^{-p} on the left, R^{-p} on the right
+                    assert st.left is not None and st.right is not None
+                    pw = cfg.shampoo_exponent
+                    u_g, ev_g = inverse_sqrt_with_spectrum(
+                        st.left.to(dt),
+                        cfg.damping_g,
+                        layer=name,
+                        part="L",
+                        record=eig_fallbacks,
+                        power=pw,
+                    )
+                    u_a, ev_a = inverse_sqrt_with_spectrum(
+                        st.right.to(dt),
+                        cfg.damping_a,
+                        layer=name,
+                        part="R",
+                        record=eig_fallbacks,
+                        power=pw,
+                    )
+                    u_g, u_a = u_g.to(ref_p.dtype), u_a.to(ref_p.dtype)
+                    spectra[name] = {"L": _spectrum_stats(ev_g), "R": _spectrum_stats(ev_a)}
+            elif name in factors:
                 f = factors[name]
                 ref: Tensor = module.weight  # type: ignore[assignment]
                 # a float64 model gets float64 decompositions whatever eig_dtype says
@@ -922,7 +996,7 @@ class KroneckerPreconditioner:
                     u_g = u_g.to(ref.dtype)
                     spectra[name]["G"] = _spectrum_stats(ev_g)
             blocks[name] = KroneckerBlock(
-                name, module, adapter, u_a, u_g, a_kron=a_kron, a_low=a_low
+                name, module, adapter, u_a, u_g, a_kron=a_kron, a_low=a_low, u_elem=u_elem
             )
         t_inv = time.perf_counter() - t0 - t_factors
         fallbacks = {n: FallbackBlock(n, p, mn) for n, mn, p in _fallback_params(model, covered)}
@@ -990,7 +1064,7 @@ class KroneckerPreconditioner:
                     )
             for fb in self.fallbacks.values():
                 gs = got[id(fb.param)].detach()
-                if cfg.fallback is FallbackRule.DIAGONAL:
+                if cfg.fallback is FallbackRule.DIAGONAL or cfg.family is Family.DIAGONAL:
                     second = gs.pow(2).mean(0)
                     fb.diag = inverse_sqrt(
                         second.flatten().unsqueeze(0), cfg.fallback_damping
@@ -1108,17 +1182,24 @@ class KroneckerPreconditioner:
                     "layer": name,
                     "type": type(b.module).__name__,
                     "adapter": b.adapter.name,
+                    "family": Family(self.config.family).value,
                     "groups": g,
                     "A_dim": n_a,
                     "G_dim": n_g,
-                    "A": "kron"
+                    "A": "elementwise"
+                    if b.u_elem is not None
+                    else "kron"
                     if b.a_kron is not None
                     else f"rank {b.a_low.rank} + tail"
                     if b.a_low is not None
                     else "none"
                     if b.u_a is None
                     else ("diagonal" if b.u_a.dim() == 2 else "full"),
-                    "G": "none" if b.u_g is None else ("diagonal" if b.u_g.dim() == 2 else "full"),
+                    "G": "elementwise"
+                    if b.u_elem is not None
+                    else "none"
+                    if b.u_g is None
+                    else ("diagonal" if b.u_g.dim() == 2 else "full"),
                     "scale": b.scale,
                     "params": sum(p.numel() for p in b.module.parameters(recurse=False)),
                 }
@@ -1129,6 +1210,7 @@ class KroneckerPreconditioner:
                     "layer": name,
                     "type": "parameter",
                     "adapter": f"fallback:{'diagonal' if fb.diag is not None else 'identity'}",
+                    "family": Family(self.config.family).value,
                     "groups": 1,
                     "A_dim": 0,
                     "G_dim": 0,

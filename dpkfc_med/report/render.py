@@ -277,6 +277,22 @@ def probe_summary(pre: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+_FAMILY_TEXT = {
+    "shampoo": "a Shampoo preconditioner (left and right factors of probe per-sample gradients)",
+    "diagonal": "a diagonal preconditioner (the second moment of probe per-sample gradients)",
+}
+
+
+def method_text(report: Mapping[str, Any]) -> str:
+    """The method in one sentence, naming the preconditioner family when it is not K-FAC."""
+    p, pre = report["privacy"], report.get("preconditioner")
+    text = _METHODS[p["method"]].format(unit=report["data"]["privacy_unit"])
+    family = ((pre or {}).get("config") or {}).get("family", "kfac")
+    if family in _FAMILY_TEXT:
+        text = text.replace("a KFAC curvature estimate", _FAMILY_TEXT[family])
+    return text
+
+
 def preconditioner_statement(report: Mapping[str, Any]) -> str:
     """Whether private data went into the preconditioner, in one line."""
     pre = report["preconditioner"]
@@ -447,7 +463,7 @@ def _summary(report: Mapping[str, Any]) -> list[Block]:
     rows: list[tuple[Inline, Any]] = [
         ("Status", status[report["status"]]),
         ("Privacy guarantee", guarantee),
-        ("Method", _METHODS[p["method"]].format(unit=data["privacy_unit"])),
+        ("Method", method_text(report)),
         ("Private data used for the preconditioner", preconditioner_statement(report)),
         (
             "Privacy unit",
@@ -647,6 +663,7 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
                     "layer",
                     "type",
                     "adapter",
+                    "family",
                     "groups",
                     "A_dim",
                     "G_dim",

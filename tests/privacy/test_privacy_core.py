@@ -105,11 +105,14 @@ def _summed_clipped(popt, pm, x, y, units=None):
     )
 
 
-@pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc", "dp-kfc-shampoo", "dp-kfc-diagonal"])
 def test_empirical_sensitivity_add_remove_replace(method, float64):
     torch.manual_seed(1)
     x, y = _data(40)
-    _, (pm, popt, _) = _engine(method, tiny_cnn_2d(), x, y, loss_reduction="sum")
+    kw = {}
+    if method.startswith("dp-kfc-"):  # a preconditioner family other than K-FAC
+        method, kw = "dp-kfc", {"preconditioner": PreconditionerConfig(family=method[7:])}
+    _, (pm, popt, _) = _engine(method, tiny_cnn_2d(), x, y, loss_reduction="sum", **kw)
     base = _summed_clipped(popt, pm, x[:30], y[:30])
     x_other, y_other = _data(1, seed=99)
     neighbours = {
@@ -140,19 +143,29 @@ def test_sensitivity_per_patient_units(float64):
     assert per_patch.norm() > 1.0 + 1e-6
 
 
-def test_preconditioner_independent_of_private_data(float64):
+@pytest.mark.parametrize("family", ["kfac", "shampoo", "diagonal"])
+def test_preconditioner_independent_of_private_data(family, float64):
     torch.manual_seed(3)
     base = tiny_cnn_2d()
     pres = []
     for seed in (0, 1):
         x, y = _data(48, seed=seed)
         model = copy.deepcopy(base)
-        cfg = PreconditionerConfig(factors="ag")
+        cfg = PreconditionerConfig(factors="ag", family=family)
         eng, _ = _engine("dp-kfc", model, x, y, probe_seed=5, preconditioner=cfg)
         pres.append(eng.preconditioner)
     for name in pres[0].blocks:
         a, b = pres[0].blocks[name], pres[1].blocks[name]
-        assert torch.equal(a.u_a, b.u_a) and torch.equal(a.u_g, b.u_g) and a.scale == b.scale
+        for field in ("u_a", "u_g", "u_elem"):
+            u, v = getattr(a, field), getattr(b, field)
+            assert (u is None and v is None) or torch.equal(u, v), (name, field)
+        assert a.scale == b.scale
+        assert (a.u_elem is not None) == (family == "diagonal")
+        assert (a.u_g is not None) == (family != "diagonal")
+    for name, fb in pres[0].fallbacks.items():
+        other = pres[1].fallbacks[name]
+        assert fb.scale == other.scale
+        assert (fb.diag is None and other.diag is None) or torch.equal(fb.diag, other.diag)
 
 
 def test_refresh_schedule_and_ledger(tmp_path):
@@ -383,8 +396,11 @@ def test_singular_factor_inverse_root():
         PreconditionerConfig("a", conv_a="kron"),
         PreconditionerConfig("ag", max_factor_dim=8),  # diagonal factors
         PreconditionerConfig("ag", rank_a=4),  # low-rank U_A (every layer: n_a > 8)
+        PreconditionerConfig(family="shampoo"),
+        PreconditionerConfig(family="shampoo", max_factor_dim=8),  # diagonal R of wide layers
+        PreconditionerConfig(family="diagonal"),
     ],
-    ids=["ag", "kron", "diagonal", "lowrank"],
+    ids=["ag", "kron", "diagonal", "lowrank", "shampoo", "shampoo-diag", "family-diagonal"],
 )
 @pytest.mark.parametrize("chunks", ["single", "quarters", "per-sample"])
 def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(

@@ -434,3 +434,18 @@ def test_set_override_errors_name_the_override_not_the_file(tmp_path, capsys):
     assert f"{bad} and its --set overrides" in err
     assert "--set training.lrr=1: unknown field (did you mean 'lr'?)" in err
     assert "\n  training.optimiser: unknown field" in err
+
+
+@pytest.mark.parametrize("family", ["shampoo", "diagonal"])
+def test_train_with_another_preconditioner_family(family, tmp_path):
+    cfg = _config(tmp_path, preconditioner={"calibration_samples": 4, "family": family})
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(run), "--set", "training.epochs=1"]) == 0
+    report = _report(run)
+    pre = report["preconditioner"]
+    assert pre["config"]["family"] == family
+    assert {r["family"] for r in pre["coverage"]} == {family}
+    assert report["privacy"]["epsilon"]["prv"] <= 4.0
+    assert pre["uses_private_data"] is False
+    text = (run / "privacy_report.md").read_text()
+    assert f"a {family.capitalize()} preconditioner" in text or f"a {family} preconditioner" in text
