@@ -4,6 +4,7 @@ Run the whole study (MSD Task04 hippocampus, epsilon 8, 3 and 1, seeds 1-3)::
 
     python benchmarks/segmentation.py                     # study "main"
     python benchmarks/segmentation.py --study levers      # the recipe's levers at epsilon 8
+    python benchmarks/segmentation.py --study shipped     # the shipped configs, as shipped
 
 Every run is the CLI pipeline (`dpkfc_med.training.train`) on ``--config`` with only the method,
 target epsilon, learning rate and seed changed (and, in the lever study, the lever's fields).
@@ -20,6 +21,10 @@ the same for every method. The gap fraction of a method at an epsilon is
 (Dice - DP-SGD Dice) / (non-private Dice - DP-SGD Dice) on the test means.
 Lever study: at epsilon 8, seed 0, each method at its learning rate chosen in the main study,
 the config as shipped and with one lever changed at a time; scored by validation Dice.
+Shipped study: each ``configs/hippocampus_unet_3d_eps{8,3,1}.yaml`` trained exactly as shipped
+with the CLI's settings (noise from OS entropy, two torch threads, seed 0's split), timed, then
+evaluated with ``dpkfc-med evaluate RUN --data FOLDER`` on a folder holding only the run's
+test cases (cases it has never seen).
 Tuning and selection look at private validation data and are NOT covered by the reported
 epsilon. Benchmark runs seed the noise (``privacy.reproducible_noise``) so that every method
 sees the same batches and noise per seed; shipped runs draw it from OS entropy.
@@ -131,6 +136,45 @@ def _job(args: tuple[dict[str, Any], dict[str, Any], str, int]) -> dict[str, Any
         },
         "seconds": time.time() - t0,
         "threads": threads,
+    }
+
+
+def _shipped_job(config: Path, runs_dir: Path, threads: int = 2) -> dict[str, Any]:
+    """Train a shipped config as shipped, then evaluate it on a folder of its test cases."""
+    import os
+
+    import torch
+
+    from dpkfc_med.training.config import load_config
+    from dpkfc_med.training.evaluate import evaluate_run
+    from dpkfc_med.training.loop import train
+
+    torch.set_num_threads(threads)
+    run_dir = runs_dir / f"shipped_{config.stem}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = load_config(config, [f"output.dir={run_dir}", "training.progress=false"])
+    t0 = time.time()
+    res = train(cfg)
+    minutes = (time.time() - t0) / 60
+    split = json.loads((run_dir / "private_not_for_release" / "split.json").read_text())
+    source = Path(res.report["data"]["path"]) if "path" in res.report["data"] else None
+    source = source or Path(res.custodian["data"]["path"])
+    folder = runs_dir / f"unseen_cases_{config.stem}"
+    shutil.rmtree(folder, ignore_errors=True)
+    for sub in ("imagesTr", "labelsTr"):
+        (folder / sub).mkdir(parents=True)
+        for case in split["test"]:
+            name = f"{case}.nii.gz"
+            os.symlink(source / sub / name, folder / sub / name)
+    unseen = evaluate_run(run_dir, data=str(folder))
+    return {
+        "config": _display_path(config),
+        "epsilon_spent": res.epsilon,
+        "minutes": minutes,
+        "threads": threads,
+        "test": _dice(res.metrics["test"]),
+        "unseen_folder": {**_dice(unseen), "n": unseen["n"], "not_dp": unseen.get("not_dp")},
+        "git_commit": _git_commit(),
     }
 
 
@@ -311,6 +355,24 @@ def summarize(data: dict[str, Any]) -> str:
                 clipped.append("-" if frac is None else f"{frac:.2f}")
             if any(c != "-" for c in cells):
                 lines.append(f"| {lever} | " + " | ".join(cells) + f" | {' / '.join(clipped)} |")
+    if data.get("shipped"):
+        lines += [
+            "",
+            "Shipped configs trained as shipped (noise from OS entropy, 2 torch threads, seed 0's "
+            "split), then `dpkfc-med evaluate RUN --data FOLDER` on a folder of the run's test "
+            "cases only:",
+            "",
+            "| config | eps spent | minutes (2 threads) | test Dice | Dice on the unseen-case "
+            "folder (cases) | HD95 mm per class |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in data["shipped"].items():
+            u = r["unseen_folder"]
+            hd95 = ", ".join(f"{k} {v:.2f}" for k, v in (u.get("hd95_per_class") or {}).items())
+            lines.append(
+                f"| {name} | {r['epsilon_spent']:.3f} | {r['minutes']:.1f} | "
+                f"{r['test']['mean_dice']:.3f} | {u['mean_dice']:.3f} ({u['n']}) | {hd95} |"
+            )
     env = data.get("environment", {})
     lines += [
         "",
@@ -437,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, default=ROOT / "configs/hippocampus_unet_3d_eps8.yaml")
-    p.add_argument("--study", choices=("main", "levers"), default="main")
+    p.add_argument("--study", choices=("main", "levers", "shipped"), default="main")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--epsilons", default="8,3,1")
     p.add_argument("--lrs", default="0.003,0.01,0.03")
@@ -503,6 +565,20 @@ def main(argv: list[str] | None = None) -> int:
             ]
             _run_all(evals, base, data, out, args.runs_dir, args.workers)
             out.with_suffix(".md").write_text(summarize(data))
+    elif args.study == "shipped":
+        data.setdefault("shipped", {})
+        for eps in epsilons:
+            config = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps:g}.yaml"
+            if _display_path(config) in data["shipped"]:
+                continue
+            rec = _shipped_job(config, args.runs_dir)
+            data["shipped"][rec["config"]] = rec
+            _save(out, data)
+            print(
+                f"shipped {rec['config']}: {rec['minutes']:.1f} min, unseen Dice "
+                f"{rec['unseen_folder']['mean_dice']:.3f}",
+                flush=True,
+            )
     else:
         jobs = []
         chosen = list(LEVERS)[1:]  # "shipped" is the main study's tuning run

@@ -118,3 +118,31 @@ def test_lever_configs_change_one_thing(seg):
     assert cfg["training"] == {"lr": 0.01, "seed": 2} and cfg["method"] == "dp-sgd"
     assert cfg["privacy"]["reproducible_noise"] is True
     assert seg._run_name(key) == seg._run_name(dict(key))  # stable across processes
+
+
+def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(seg, tmp_path):
+    import torch
+    import yaml
+
+    config = seg.ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
+    tiny = yaml.safe_load(config.read_text())
+    tiny["data"].update(max_train=5, max_eval=2, patch_size=[16, 16, 16])
+    tiny["training"].update(epochs=1, batch_size=3)
+    tiny["model"]["kwargs"].update(channels=[4, 8], strides=[2])
+    tiny["pretrain"].update(steps=1, batch_size=2)
+    tiny["probes"]["num_probes"] = 4
+    tiny["preconditioner"].update(chunk_size=4, calibration_samples=2)
+    path = tmp_path / "hippocampus_unet_3d_eps8.yaml"
+    path.write_text(yaml.safe_dump(tiny))
+    threads = torch.get_num_threads()
+    try:
+        rec = seg._shipped_job(path, tmp_path / "runs", threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    unseen = rec["unseen_folder"]
+    assert unseen["n"] == 2 and unseen["not_dp"] is False  # the 2 test cases, never trained on
+    assert 0.0 <= unseen["mean_dice"] <= 1.0
+    assert set(unseen["hd95_per_class"]) == {"class_1", "class_2"}  # a plain folder: unnamed
+    assert 0 < rec["epsilon_spent"] <= 8.0
+    text = seg.summarize({"runs": [], "shipped": {rec["config"]: rec}})
+    assert "Dice on the unseen-case folder" in text and f"{unseen['mean_dice']:.3f} (2)" in text
