@@ -13,9 +13,10 @@ config (<= 1/N).
 
 Tuning protocol (identical for every method and epsilon): the config's optimizer, clip norm,
 schedule, weight average, batch and epochs; a grid of learning rates ``--lrs`` run with the
-tuning seed 0 and scored by validation mean Dice (foreground classes); the chosen learning rate
-is then run with the evaluation seeds and scored on the test cases. The training seed also
-draws the case split, so each seed has its own train/val/test cases. Non-private training is
+tuning seed 0 and scored by validation mean Dice (foreground classes); where some method's best
+sits on the grid's edge, the grid at that epsilon gets one more point beyond it on the 1-3-10
+sequence (0.03 -> 0.1), run by every method (``--widen``); the chosen learning rate is then run with the
+evaluation seeds and scored on the test cases. The training seed also draws the case split, so each seed has its own train/val/test cases. Non-private training is
 tuned once (it has no epsilon). Model selection inside a run (best epoch by validation Dice) is
 the same for every method. The gap fraction of a method at an epsilon is
 (Dice - DP-SGD Dice) / (non-private Dice - DP-SGD Dice) on the test means.
@@ -217,9 +218,41 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
+def _grid(data: dict[str, Any], eps: float | None) -> list[float]:
+    """The learning-rate grid at ``eps``: ``--lrs``, plus the points widening added there."""
+    extra = (data.get("widened") or {}).get(_eps_key(eps), [])
+    return sorted({*(data.get("lrs") or []), *extra})
+
+
+def _eps_key(eps: float | None) -> str:
+    return "nonprivate" if eps is None else f"{eps:g}"
+
+
+def _widen(data: dict[str, Any], eps: float | None, methods: list[str]) -> float | None:
+    """A learning rate one grid step (x3) beyond an edge where some method's best sits."""
+    grid = _grid(data, eps)
+    if len(grid) < 2:
+        return None
+    best = {_best_lr(data, m, eps) for m in methods}
+    if grid[-1] in best:
+        return _step(grid[-1], up=True) if grid[-1] < 1 else None
+    if grid[0] in best:
+        return _step(grid[0], up=False)
+    return None
+
+
+def _step(lr: float, *, up: bool) -> float:
+    """The neighbour of ``lr`` on the 1-3-10 grid (0.03 -> 0.1 up, 0.003 -> 0.001 down)."""
+    e = math.floor(math.log10(lr))
+    mantissa = lr / 10**e
+    if up:
+        return float(f"{(3 if mantissa < 2 else 10) * 10**e:.3g}")
+    return float(f"{(1 if mantissa > 2 else 0.3) * 10**e:.3g}")
+
+
 def _best_lr(data: dict[str, Any], method: str, eps: float | None) -> float | None:
     """The grid learning rate with the best validation Dice in the tuning runs."""
-    lrs = set(data.get("lrs") or [])
+    lrs = set(_grid(data, eps))
     tune = [
         r
         for r in data["runs"]
@@ -505,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", default="0.003,0.01,0.03")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument(
+        "--widen",
+        type=int,
+        default=2,
+        help="grid points added (the next of 1-3-10 beyond the edge, for every method at that epsilon) when "
+        "a method's best learning rate sits on the grid's edge",
+    )
+    p.add_argument(
         "--levers",
         help="lever study: comma-separated lever numbers (1 = the first after 'shipped'); "
         "default all",
@@ -548,9 +588,19 @@ def main(argv: list[str] | None = None) -> int:
             tune = [
                 {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0}
                 for m in ms
-                for lr in data["lrs"]
+                for lr in _grid(data, eps)
             ]
             _run_all(tune, base, data, out, args.runs_dir, args.workers)
+            for _ in range(args.widen):  # a best on the grid's edge: one more point for all
+                lr = _widen(data, eps, ms)
+                if lr is None:
+                    break
+                data.setdefault("widened", {}).setdefault(_eps_key(eps), []).append(lr)
+                more = [
+                    {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0}
+                    for m in ms
+                ]
+                _run_all(more, base, data, out, args.runs_dir, args.workers)
             evals = [
                 {
                     **common,

@@ -146,3 +146,18 @@ def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(seg, tmp_path):
     assert 0 < rec["epsilon_spent"] <= 8.0
     text = seg.summarize({"runs": [], "shipped": {rec["config"]: rec}})
     assert "Dice on the unseen-case folder" in text and f"{unseen['mean_dice']:.3f} (2)" in text
+
+
+def test_grid_widens_beyond_an_edge_for_every_method(seg):
+    data = _data()  # dp-kfc's best at 8 is 0.03, the top of the grid
+    assert seg._widen(data, 8.0, ["dp-sgd", "dp-kfc"]) == 0.1
+    assert seg._widen(data, None, ["nonprivate"]) == 0.1  # 0.03 best there too
+    data["widened"] = {"8": [0.1]}
+    assert seg._grid(data, 8.0) == [0.01, 0.03, 0.1] and seg._grid(data, 3.0) == [0.01, 0.03]
+    data["runs"].append(_run("tune", "dp-kfc", 8.0, 0.1, 0, val=0.65))
+    assert seg._best_lr(data, "dp-kfc", 8.0) == 0.03  # interior now
+    assert seg._widen(data, 8.0, ["dp-kfc"]) is None
+    assert seg._widen(data, 8.0, ["dp-sgd", "dp-kfc"]) == 0.003  # dp-sgd's best: the lower edge
+    data["runs"].append(_run("tune", "dp-sgd", 8.0, 0.1, 0, val=0.1))
+    data["runs"][2]["val"]["mean_dice"] = 0.2  # dp-sgd's 0.01 run: its best is now 0.03
+    assert seg._best_lr(data, "dp-sgd", 8.0) == 0.03
