@@ -410,7 +410,8 @@ def summarize(data: dict[str, Any]) -> str:
     lines += [
         "",
         f"Machine: {env.get('platform')}, {data.get('workers', 1)} runs in parallel with one "
-        f"torch thread each; git commit {data.get('git_commit')}.",
+        f"torch thread each; git commits of the runs {', '.join(data.get('git_commits') or [str(data.get('git_commit'))])} "
+        "(later commits add studies and options; the code of the runs already made is unchanged).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -564,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = _load(out)
     epsilons = [float(e) for e in args.epsilons.split(",")]
+    commits = data.setdefault("git_commits", [data["git_commit"]] if data.get("git_commit") else [])
+    if _git_commit() not in commits:  # every commit whose code made some of the runs
+        commits.append(_git_commit())
     if args.study == "main":
         data.update(
             {
