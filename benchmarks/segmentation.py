@@ -306,6 +306,35 @@ def gap_fractions(data: dict[str, Any]) -> dict[float, dict[str, float]]:
     return out
 
 
+def compact_table(data: dict[str, Any]) -> list[str]:
+    """Test mean Dice per method (rows) and epsilon (columns), with the gap closed."""
+    eps_list = data.get("epsilons") or []
+    gaps = gap_fractions(data)
+    head = "| method | " + " | ".join(f"epsilon {e:g}" for e in eps_list) + " |"
+    lines = [head, "|---|" + "---|" * len(eps_list)]
+    nonprivate = _eval_runs(data, "nonprivate", None)
+    if nonprivate:
+        m, sd = _mean_std([r["test"]["mean_dice"] for r in nonprivate])
+        lines.append(
+            "| non-private | " + " | ".join([f"{m:.3f} +- {sd:.3f}"] * len(eps_list)) + " |"
+        )
+    for method in METHODS[1:]:
+        cells = []
+        for eps in eps_list:
+            runs = _eval_runs(data, method, eps)
+            if not runs:
+                cells.append("-")
+                continue
+            m, sd = _mean_std([r["test"]["mean_dice"] for r in runs])
+            gap = gaps.get(eps, {}).get(method)
+            extra = (
+                f" ({100 * gap:.0f} % of the gap)" if gap is not None and method != "dp-sgd" else ""
+            )
+            cells.append(f"{m:.3f} +- {sd:.3f}{extra}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summarize(data: dict[str, Any]) -> str:
     """Markdown: test Dice per epsilon and method, gap fractions, HD95, evidence, tuning, levers."""
     names = data.get("class_names") or []
@@ -325,6 +354,8 @@ def summarize(data: dict[str, Any]) -> str:
     gaps = gap_fractions(data)
     lines = [
         f"## {data.get('config')} (test cases; mean +- std over seeds {data.get('seeds')})",
+        "",
+        *compact_table(data),
         "",
         "| method | target epsilon | lr (chosen on val) | test mean Dice | "
         + " | ".join(f"Dice {n}" for n in names)
