@@ -59,9 +59,8 @@ size)."""
 
 STEP_MACS_WEIGHT = 2.4
 """A training step's multiply-adds (convolutions, per-sample hooks) run this many times slower
-than the refresh's dense products. Fitted on the three models of ``benchmarks/cost.py``
-(2 CPU threads, session 4): measured refresh / step time 1.0, 5.4 and 4.5 against unweighted
-estimates of 2.3, 12.0 and 11.9."""
+than the refresh's dense products. Fitted to the measured refresh / step time ratios of the
+three models of ``benchmarks/cost.py`` on 2 CPU threads (``benchmarks/results/cost_cpu.md``)."""
 
 AUTO_REFRESH_BASE = 20
 """Shortest period of ``refresh_every="auto"``; longer ones are this times a power of two."""

@@ -196,8 +196,8 @@ def train(
             ``privacy.noise_multiplier`` changed; then the remaining steps are re-planned so
             that the whole ledger stays within the target (:mod:`.plan`). Other changes are
             refused.
-        stop_after_epochs: stop (as if interrupted) after this many epochs of this session;
-            used by tests and by users who train in slices.
+        stop_after_epochs: stop (as if interrupted) after this many epochs of this call;
+            for training in slices (resume with ``resume=True``).
         instrument: called once as ``instrument(engine, private_optimizer)`` after the
             mechanism is wired and before the first step (private methods only); the
             empirical privacy audit uses it to add its canaries to the exact mechanism.
