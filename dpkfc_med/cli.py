@@ -7,6 +7,7 @@ Examples::
     dpkfc-med evaluate runs/x --data other_pneumoniamnist.npz --split test
     dpkfc-med report runs/x
     dpkfc-med audit configs/pneumoniamnist_cnn_2d_eps1.yaml --epsilon 8 --canaries 5000
+    dpkfc-med bundle export runs/x bundles/x
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Re-render privacy_report.md/.html and plots from the JSON (no recomputation).",
     )
     r.add_argument("run_dir")
+    b = sub.add_parser(
+        "bundle",
+        help="MONAI bundles of finished runs (see docs/bundles.md)",
+        description="MONAI bundles: `bundle export RUN_DIR OUT_DIR` writes a self-contained "
+        "inference bundle of a finished run.",
+    )
+    bsub = b.add_subparsers(dest="bundle_command", required=True)
+    x = bsub.add_parser(
+        "export",
+        help="write a MONAI inference bundle (model, inference.yaml, metadata with the DP block)",
+        description="Write OUT_DIR/models/model.pt, configs/inference.yaml, configs/metadata.json "
+        "(with the privacy block from the run's ledger) and docs/ (the shareable privacy report). "
+        "Refuses an incomplete run and a run whose ledger epsilon exceeds its target; a "
+        "non-private run is exported marked NO PRIVACY GUARANTEE.",
+    )
+    x.add_argument("run_dir")
+    x.add_argument("out_dir", help="the bundle folder to create (new or empty)")
     return p
 
 
@@ -194,6 +212,18 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bundle(args: argparse.Namespace) -> int:
+    from dpkfc_med.bundle import export_bundle
+
+    out = export_bundle(args.run_dir, args.out_dir)
+    print(f"bundle: {out}")
+    print(
+        f"run it: python -m monai.bundle run --config_file {out / 'configs' / 'inference.yaml'} "
+        "--dataset_dir DATA --output_dir PRED"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dpkfc-med`` console script."""
     args = _build_parser().parse_args(argv)
@@ -202,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit": _audit,
         "evaluate": _evaluate,
         "report": _report,
+        "bundle": _bundle,
     }
     try:
         return handlers[args.command](args)

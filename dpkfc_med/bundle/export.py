@@ -1,0 +1,243 @@
+"""``dpkfc-med bundle export RUN_DIR OUT_DIR``: a finished private run as a MONAI inference bundle.
+
+The bundle is self-contained::
+
+    OUT_DIR/models/model.pt            state dict of the run's selected (released) model
+    OUT_DIR/configs/inference.yaml     MONAI preprocessing, network_def, inferer, postprocessing
+    OUT_DIR/configs/metadata.json      MONAI metadata + differential_privacy (from the ledger)
+    OUT_DIR/docs/README.md             what the bundle is and how to run it
+    OUT_DIR/docs/privacy_report.*      the run's shareable privacy report (json, md, html, plots)
+
+Only the shareable part of the run directory is exported; nothing under
+``private_not_for_release/`` (un-noised statistics, case ids, overlays) and neither the
+checkpoint nor the ledger's working files leave the run.
+
+Refused, with every problem named at once: a run that is not complete (``run.json`` status,
+no ``model.pt``), a private run without its ledger, and a run whose ledger epsilon exceeds its
+target. A non-private run is exported, but its metadata and README say ``NO PRIVACY
+GUARANTEE`` in their first words.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from dpkfc_med.bundle.inference import HEADER, inference_config
+from dpkfc_med.bundle.metadata import (
+    NO_GUARANTEE,
+    bundle_metadata,
+    dp_block,
+    metadata_problems,
+    sha256_file,
+)
+from dpkfc_med.bundle.network import network_definition
+from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.writer import REPORT_FILES
+from dpkfc_med.utils import atomic_write_bytes
+
+__all__ = ["BundleExportError", "export_bundle"]
+
+# Written by the engine (training/loop.py); read here, never written.
+RUN_JSON, LEDGER, MODEL, CONFIG = "run.json", "ledger.json", "model.pt", "config.yaml"
+EPS_SLACK = 1e-9  # float noise of recomputing the ledger's epsilon
+
+
+class BundleExportError(ValueError):
+    """A run directory that cannot be exported; one line per problem, each with its fix."""
+
+    def __init__(self, problems: list[str], run_dir: Path) -> None:
+        self.problems = problems
+        super().__init__(f"cannot export {run_dir} as a bundle:\n  " + "\n  ".join(problems))
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _check_run(run: Path) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """The run's report and ledger epsilons; raises with every reason the run is not exportable."""
+    from dpkfc_med.privacy.accounting import PrivacyLedger
+
+    resume = f"finish it with `dpkfc-med train {run / CONFIG} --resume --out {run}`, then export"
+    if not run.is_dir():
+        raise BundleExportError([f"{run}: no such run directory (dpkfc-med train ... --out)"], run)
+    problems: list[str] = []
+    status = _json(run / RUN_JSON).get("status") if (run / RUN_JSON).is_file() else None
+    if status != "complete":
+        problems.append(
+            f"{run / RUN_JSON}: status {status!r}, not 'complete' (the run stopped before its "
+            f"last epoch and has no final model); {resume}"
+        )
+    for name in (MODEL, CONFIG, REPORT_FILES["json"]):
+        if not (run / name).is_file() and not (name == MODEL and status != "complete"):
+            problems.append(f"{run / name}: missing; export needs a finished run ({resume})")
+    report: dict[str, Any] = {}
+    if (run / REPORT_FILES["json"]).is_file():
+        report = _json(run / REPORT_FILES["json"])
+        if report.get("status") != "complete" and status == "complete":
+            problems.append(
+                f"{run / REPORT_FILES['json']}: status {report.get('status')!r}; re-render it "
+                f"with `dpkfc-med report {run}` or {resume}"
+            )
+    epsilons: dict[str, float] | None = None
+    privacy = report.get("privacy") or {}
+    if privacy.get("private"):
+        ledger_path = run / LEDGER
+        if not ledger_path.is_file():
+            problems.append(
+                f"{ledger_path}: missing; a private run's guarantee is its ledger (restore it "
+                "from the run's backup; a run without its ledger cannot be released)"
+            )
+        else:
+            ledger = PrivacyLedger.from_dict(_json(ledger_path))
+            epsilons = ledger.all_epsilons()
+            accountant = privacy.get("accountant", "prv")
+            target = float(privacy["target_epsilon"])
+            spent = epsilons[accountant]
+            if spent > target + EPS_SLACK:
+                problems.append(
+                    f"{ledger_path}: epsilon {spent:.4f} ({accountant.upper()}, {ledger.steps} "
+                    f"steps at delta {ledger.delta:g}) exceeds the run's target "
+                    f"{target:g}; the model is not covered by the target and must not be "
+                    "released under it (train a new run within its budget)"
+                )
+            if ledger.steps < int(privacy.get("steps") or 0):
+                problems.append(
+                    f"{ledger_path}: {ledger.steps} steps, fewer than the report's "
+                    f"{privacy.get('steps')}; the ledger is not this run's (restore it)"
+                )
+    if problems:
+        raise BundleExportError(problems, run)
+    return report, epsilons
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, text.encode())
+
+
+def export_bundle(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a self-contained MONAI inference bundle of a finished run.
+
+    Args:
+        run_dir: A complete run directory (``dpkfc-med train``).
+        out_dir: The bundle folder to create (must not exist, or be empty).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        BundleExportError: The run is incomplete, lacks its ledger, or its ledger epsilon
+            exceeds its target; or ``out_dir`` is not empty. Every problem is listed.
+
+    Privacy guarantee:
+        The bundle holds the released model and the shareable report only, i.e. what the
+        run's (epsilon, delta) guarantee covers; the epsilon in its metadata is recomputed from
+        the ledger.
+    """
+    from dpkfc_med.training.config import config_from_dict
+
+    run, out = Path(run_dir), Path(out_dir)
+    report, epsilons = _check_run(run)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BundleExportError(
+            [f"{out}: exists and is not empty; choose a new bundle folder or remove it"], run
+        )
+    cfg = config_from_dict(yaml.safe_load((run / CONFIG).read_text()), str(run / CONFIG))
+    saved = torch.load(run / MODEL, map_location="cpu", weights_only=False)
+    task, state = saved["task"], saved["model"]
+    net = network_definition(cfg.to_dict()["model"], task, state_dict=state)
+
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, buf)
+    atomic_write_bytes(out / "models" / "model.pt", buf.getvalue())
+    docs = out / "docs"
+    for rel in REPORT_FILES.values():  # the shareable report only; never PRIVATE_DIR
+        src = run / rel
+        if src.is_file() and PRIVATE_DIR not in src.parts:
+            (docs / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, docs / rel)
+    report_sha = sha256_file(docs / REPORT_FILES["json"])
+    dp = dp_block(report, epsilon_spent=epsilons, report_sha256=report_sha)
+    meta = bundle_metadata(
+        cfg,
+        task,
+        dp=dp,
+        bundle_version="1.0.0",
+        changelog=f"exported from run {report['run']['name']} by dpkfc-med bundle export",
+        needs_dpkfc=not net.monai_only,
+        what="Trained model of a finished dpkfc-med run.",
+    )
+    meta["network_definition"] = net.note
+    missing = metadata_problems(meta)
+    if missing:  # a bug here, not a user error: the generator must fill every field
+        raise RuntimeError("generated metadata is incomplete: " + "; ".join(missing))
+    _write(out / "configs" / "metadata.json", json.dumps(meta, indent=2) + "\n")
+    infer = inference_config(cfg, task, net.config)
+    _write(out / "configs" / "inference.yaml", HEADER + yaml.safe_dump(infer, sort_keys=False))
+    _write(docs / "README.md", _readme(meta, task, net.note))
+    return out
+
+
+def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
+    dp = meta["differential_privacy"]
+    seg = task["kind"] == "segmentation"
+    lines = []
+    if not dp["private"]:
+        lines += [f"# {NO_GUARANTEE}", "", dp["warning"], ""]
+    lines += [
+        f"# {meta['task']}",
+        "",
+        meta["description"],
+        "",
+        "## Privacy",
+        "",
+    ]
+    if dp["private"]:
+        spent = dp["epsilon_spent"]
+        lines += [
+            f"- guarantee: {dp['guarantee']}",
+            f"- epsilon spent at delta {dp['delta']:g}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in spent.items())
+            + f" (target {dp['epsilon_target']:g}, accountant {dp['accountant']})",
+            f"- unit of privacy: {dp['unit_of_privacy']}; sampler {dp['sampler']} at rate "
+            f"{dp['sample_rate']:.4g}; noise multiplier {dp['noise_multiplier']:.4g}; clip norm "
+            f"{dp['max_grad_norm']:g}; {dp['steps']} steps",
+            *[f"- WARNING: {w}" for w in dp["headline_warnings"]],
+        ]
+    lines += [
+        f"- full report: [privacy_report.md](privacy_report.md) "
+        f"(SHA-256 of privacy_report.json: `{dp['privacy_report']['sha256']}`)",
+        "",
+        "## Run it with MONAI",
+        "",
+        "```bash",
+        "python -m monai.bundle run --config_file BUNDLE/configs/inference.yaml \\",
+        "    --dataset_dir "
+        + ("FOLDER_OF_NIFTI" if seg else "FILE.npz --split test")
+        + " --output_dir PRED",
+        "python -m monai.bundle verify_net_in_out network_def \\",
+        "    --meta_file BUNDLE/configs/metadata.json --config_file BUNDLE/configs/inference.yaml",
+        "python -m monai.bundle verify_metadata --meta_file BUNDLE/configs/metadata.json "
+        "--filepath schema.json  # needs internet",
+        "```",
+        "",
+        (
+            "Writes one label map `PRED/{name}_seg.nii.gz` per input volume, with the input's "
+            "affine."
+            if seg
+            else "Writes `PRED/{split}_probabilities.csv`: one row per image of the split, "
+            "`index` then one probability column per class."
+        ),
+        "",
+        f"Network: {note}.",
+        "",
+    ]
+    return "\n".join(lines)

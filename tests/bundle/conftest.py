@@ -1,0 +1,109 @@
+"""Toy runs for the bundle tests, trained through the bundles' own ``training`` entry.
+
+Sizes follow tests/training: a few images / volumes, one epoch, tiny nets; seconds per run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINES = ROOT / "pipelines"
+PNEUMONIA = Path(SHARED_DATA) / "medmnist" / "pneumoniamnist.npz"
+HIPPO = Path(SHARED_DATA) / "msd_hippocampus"
+
+# tests/training/test_segmentation.py's TINY, without the synthetic pretraining
+SEG_TINY = [
+    "data.max_train=6",
+    "data.max_eval=1",
+    "data.patch_size=[16,16,16]",
+    "data.patches_per_unit=2",
+    "training.epochs=1",
+    "training.batch_size=3",
+    "training.eval_batch_size=16",
+    "training.progress=false",
+    "model.kwargs.channels=[4,8]",
+    "model.kwargs.strides=[2]",
+    "probes.num_probes=4",
+    "preconditioner.chunk_size=4",
+    "preconditioner.calibration_samples=2",
+    "pretrain.steps=0",
+]
+CLS_TINY = [
+    f"data.path={PNEUMONIA}",
+    "data.max_train=64",
+    "data.max_eval=32",
+    "privacy.target_epsilon=4.0",
+    "training.epochs=1",
+    "training.batch_size=32",
+    "training.progress=false",
+    "training.eval_batch_size=64",
+    "probes.num_probes=16",
+    "probes.refresh_every=2",
+    "preconditioner.calibration_samples=4",
+    "preconditioner.rank_a=null",
+]
+
+
+def bundle_train(name: str, overrides: list[str], out: Path) -> None:
+    """``python -m monai.bundle run training --config_file pipelines/NAME/configs/train.yaml``."""
+    from monai.bundle import run
+
+    run(
+        "training",
+        config_file=str(PIPELINES / name / "configs" / "train.yaml"),
+        overrides=overrides,
+        output_dir=str(out),
+    )
+
+
+@pytest.fixture(scope="session")
+def seg_run(tmp_path_factory) -> Path:
+    assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}; set DPKFC_MED_DATA"
+    out = tmp_path_factory.mktemp("bundle_seg") / "run"
+    bundle_train("segmentation_3d", SEG_TINY, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def cls_run(tmp_path_factory) -> Path:
+    assert PNEUMONIA.is_file(), f"no pneumoniamnist at {PNEUMONIA}; set DPKFC_MED_DATA"
+    out = tmp_path_factory.mktemp("bundle_cls") / "run"
+    bundle_train("classification_2d", CLS_TINY, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def nonprivate_run(tmp_path_factory) -> Path:
+    from dpkfc_med.cli import main
+
+    out = tmp_path_factory.mktemp("bundle_np") / "run"
+    config = ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
+    sets = [a for item in CLS_TINY for a in ("--set", item)]
+    assert main(["train", str(config), "--method", "nonprivate", "--out", str(out), *sets]) == 0
+    return out
+
+
+@pytest.fixture
+def copy_run(tmp_path):
+    """A writable copy of a run directory (the session runs stay untouched)."""
+
+    def make(run: Path) -> Path:
+        dst = tmp_path / f"copy_{run.parent.name}"
+        shutil.copytree(run, dst)
+        return dst
+
+    return make
+
+
+def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray) -> None:
+    import nibabel as nib
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(array, affine), str(path))
