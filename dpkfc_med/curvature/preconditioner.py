@@ -60,9 +60,10 @@ from dpkfc_med.curvature.families import Family, estimate_gradient_statistics
 from dpkfc_med.curvature.linalg import EighFallback, robust_eigh
 from dpkfc_med.utils import check_choice
 
-# Opacus' per-layer per-sample gradient formulas (norm layers, embeddings, ...), reused for the
+# Opacus' per-layer per-sample gradient formulas (norm layers, embeddings, and whatever is
+# registered with opacus.grad_sample.register_grad_sampler, read at call time), reused for the
 # fallback parameters during calibration.
-_OPACUS_SAMPLERS = dict(GradSampleModule.GRAD_SAMPLERS)
+_OPACUS_SAMPLERS = GradSampleModule.GRAD_SAMPLERS
 
 __all__ = [
     "FactorMode",

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+from opacus.grad_sample import GradSampleModule
+from opacus.layers.dp_rnn import DPRNNBase
 from opacus.utils.module_utils import trainable_modules
 from opacus.validators import ModuleValidator
 from opacus.validators.errors import (
@@ -34,6 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from dpkfc_med.models._attention import hoist_token_parameters
 from dpkfc_med.models._choices import unknown_option
 from dpkfc_med.models._residual import out_of_place_class
 
@@ -136,7 +139,11 @@ def make_private_compatible(
        ...) gets ``inplace=False``;
     4. each MONAI residual block that adds its skip connection in place (ResNet, SegResNet,
        DynUNet blocks) gets an equivalent forward that adds it out of place;
-    5. whatever ``opacus.validators.ModuleValidator.validate`` still reports and Opacus can
+    5. MONAI transformer parts whose parameters Opacus' hooks cannot reach (the ViT class
+       token, the patch embedding's position embedding, Swin's relative position bias table
+       and its windows-folded batch) get leaf modules and equivalent forwards
+       (:mod:`dpkfc_med.models._attention`);
+    6. whatever ``opacus.validators.ModuleValidator.validate`` still reports and Opacus can
        fix (``nn.LSTM``, ``nn.GRU``, ``nn.MultiheadAttention``) is swapped for Opacus'
        drop-in replacement.
 
@@ -201,6 +208,7 @@ def make_private_compatible(
                 )
             )
 
+    fixes.extend(Fix(*fix) for fix in hoist_token_parameters(model))
     model, opacus_fixes = _apply_opacus_fixers(model)
     fixes.extend(opacus_fixes)
     return model, fixes
@@ -393,6 +401,20 @@ def _own_problems(model: nn.Module) -> list[str]:
                 f"breaks Opacus' backward hooks on the layer before; {_FIX_CALL}"
             )
     for path, module in trainable_modules(model):
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        nested = [
+            n
+            for n, child in module.named_children()
+            if any(p.requires_grad for p in child.parameters())
+        ]
+        if own and nested and not _opacus_handles(module):
+            problems.append(
+                f"{_shown(path)}: {type(module).__name__} uses its own parameters "
+                f"({', '.join(own)}) next to trainable layers ({', '.join(nested[:3])}), so "
+                "Opacus would recompute the whole module per sample and cannot hook its layers; "
+                "move the parameters into a leaf module (as dpkfc_med.models does for MONAI's "
+                "ViT, UNETR and SwinUNETR) or freeze them"
+            )
         if isinstance(module, (_BatchNorm, _InstanceNorm)):
             continue  # reported above, with a better fix
         buffers = [n for n, _ in module.named_buffers()]
@@ -404,6 +426,11 @@ def _own_problems(model: nn.Module) -> list[str]:
                 "parameters or replace the module"
             )
     return problems
+
+
+def _opacus_handles(module: nn.Module) -> bool:
+    """Whether Opacus has its own per-sample rule for this module (a sampler, or its RNNs)."""
+    return type(module) in GradSampleModule.GRAD_SAMPLERS or isinstance(module, DPRNNBase)
 
 
 def _opacus_problems(model: nn.Module) -> list[str]:

@@ -10,13 +10,14 @@ can be overridden::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from monai.networks import nets
 from torch import nn
 
+from dpkfc_med.models._attention import ViTClassifier
 from dpkfc_med.models._choices import unknown_option
 from dpkfc_med.models.fix import Fix, make_private_compatible, validate_private_compatible
 from dpkfc_med.models.small_cnn import SmallCNN
@@ -50,6 +51,8 @@ class ModelSpec:
             (output ``[B, K, *S]``, same spatial size as the input).
         spatial_dims: Supported spatial dimensionalities.
         description: One line for listings.
+        needs_input_size: The network is built for one input size (a transformer's token
+            grid): :func:`build_model` passes ``input_size`` to the builder as ``img_size``.
     """
 
     name: str
@@ -57,6 +60,7 @@ class ModelSpec:
     task: str
     spatial_dims: tuple[int, ...]
     description: str
+    needs_input_size: bool = False
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -68,6 +72,7 @@ def register_model(
     task: str,
     spatial_dims: tuple[int, ...] = (2, 3),
     description: str = "",
+    needs_input_size: bool = False,
 ) -> Callable[[ModelBuilder], ModelBuilder]:
     """Register the decorated builder under ``name``.
 
@@ -76,6 +81,7 @@ def register_model(
         task: ``"classification"`` or ``"segmentation"``.
         spatial_dims: Spatial dimensionalities the network supports.
         description: One line for listings; defaults to the builder's docstring summary.
+        needs_input_size: The builder takes ``img_size`` (the spatial input size).
 
     Returns:
         The decorator, which returns the builder unchanged.
@@ -90,7 +96,9 @@ def register_model(
         if name in _REGISTRY:
             raise ValueError(f"model {name!r} is already registered; choose another name")
         summary = description or (builder.__doc__ or "").strip().splitlines()[0]
-        _REGISTRY[name] = ModelSpec(name, builder, task, tuple(spatial_dims), summary)
+        _REGISTRY[name] = ModelSpec(
+            name, builder, task, tuple(spatial_dims), summary, needs_input_size
+        )
         return builder
 
     return decorator
@@ -120,6 +128,7 @@ def build_model(
     in_channels: int,
     out_channels: int,
     dp_fix: bool = True,
+    input_size: Sequence[int] | None = None,
     **kwargs: Any,
 ) -> tuple[nn.Module, list[Fix]]:
     """Build a registered network and, by default, make it trainable with Opacus DP-SGD.
@@ -132,6 +141,9 @@ def build_model(
         dp_fix: Apply :func:`~dpkfc_med.models.make_private_compatible` (GroupNorm for
             BatchNorm, no in-place ops) and then
             :func:`~dpkfc_med.models.validate_private_compatible`.
+        input_size: Spatial input size (image size for classification, patch size for
+            segmentation); required by networks built for one size (``vit``, ``unetr``),
+            ignored by the others. An ``img_size`` in ``kwargs`` takes precedence.
         **kwargs: Override the builder's defaults, i.e. the MONAI constructor arguments.
 
     Returns:
@@ -148,6 +160,13 @@ def build_model(
             f"model {spec.name!r} does not support spatial_dims={spatial_dims}; "
             f"allowed: {', '.join(map(str, spec.spatial_dims))}"
         )
+    if spec.needs_input_size and "img_size" not in kwargs:
+        if input_size is None or len(input_size) != spatial_dims:
+            raise ValueError(
+                f"model {spec.name!r} is built for one input size: pass input_size with "
+                f"{spatial_dims} spatial sizes (or img_size in the model kwargs)"
+            )
+        kwargs["img_size"] = tuple(int(s) for s in input_size)
     model = spec.builder(
         spatial_dims=spatial_dims, in_channels=in_channels, out_channels=out_channels, **kwargs
     )
@@ -279,5 +298,63 @@ def _segresnet(
         spatial_dims=spatial_dims,
         in_channels=in_channels,
         out_channels=out_channels,
+        **{**params, **kwargs},
+    )
+
+
+# Transformers: small sizes that train on 2 CPU cores; every MONAI argument can be overridden.
+
+
+@register_model("vit", task="classification", needs_input_size=True)
+def _vit(*, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: Any) -> nn.Module:
+    """MONAI ViT: patch 4, hidden 96, 4 layers, 4 heads, MLP 192; logits from the class token."""
+    params: dict[str, Any] = {
+        "patch_size": 4,
+        "hidden_size": 96,
+        "mlp_dim": 192,
+        "num_layers": 4,
+        "num_heads": 4,
+        "post_activation": None,
+    }
+    merged = {**params, **kwargs, "classification": True, "num_classes": out_channels}
+    return ViTClassifier(nets.ViT(in_channels=in_channels, spatial_dims=spatial_dims, **merged))
+
+
+@register_model("unetr", task="segmentation", needs_input_size=True)
+def _unetr(
+    *, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: Any
+) -> nn.Module:
+    """MONAI UNETR: hidden 96, 4 heads, MLP 192, 12 blocks (fixed by UNETR), feature size 8."""
+    params: dict[str, Any] = {
+        "hidden_size": 96,
+        "mlp_dim": 192,
+        "num_heads": 4,
+        "feature_size": 8,
+        "norm_name": "instance",
+    }
+    return nets.UNETR(
+        in_channels=in_channels,
+        out_channels=out_channels,
+        spatial_dims=spatial_dims,
+        **{**params, **kwargs},
+    )
+
+
+@register_model("swinunetr", task="segmentation")
+def _swinunetr(
+    *, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: Any
+) -> nn.Module:
+    """MONAI SwinUNETR: feature size 12, depths (1, 1, 1, 1), window 4; inputs divisible by 32."""
+    params: dict[str, Any] = {
+        "feature_size": 12,
+        "depths": (1, 1, 1, 1),
+        "num_heads": (3, 3, 3, 3),
+        "window_size": 4,
+        "norm_name": "instance",
+    }
+    return nets.SwinUNETR(
+        in_channels=in_channels,
+        out_channels=out_channels,
+        spatial_dims=spatial_dims,
         **{**params, **kwargs},
     )

@@ -42,7 +42,10 @@ def raw_norm_samples(batch: int) -> int:
     return min(RAW_NORM_SAMPLES, max(1, batch // 16))
 
 
-_OPACUS_SAMPLERS = dict(GradSampleModule.GRAD_SAMPLERS)
+# Opacus' own table (its formulas plus any registered with register_grad_sampler), read at
+# call time so that samplers registered after this import still apply.
+_OPACUS_SAMPLERS = GradSampleModule.GRAD_SAMPLERS
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 # Benign: the first layer's input never requires grad, so torch warns for every Opacus hook.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
@@ -84,6 +87,9 @@ def _preconditioned_sampler(
     adapter = adapter_for(module)
     if block is None:
         if type(module) in _OPACUS_SAMPLERS:
+            if isinstance(module, _CONVS):
+                # Opacus' unfold is wrong on non-contiguous (channels-last) inputs.
+                activations = [activations[0].contiguous(), *activations[1:]]
             return _OPACUS_SAMPLERS[type(module)](module, activations, backprops)
         # No Opacus formula (ConvTranspose): Opacus' functorch path (prepared in add_hooks) is
         # cheaper than unfolding the zero-inserted input when no transform is needed.
@@ -138,17 +144,20 @@ def _preconditioned_sampler(
 class PreconditionedGradSampleModule(GradSampleModule):
     """Opacus ``GradSampleModule`` with preconditioned grad samplers for covered layers."""
 
-    GRAD_SAMPLERS: dict[Any, Any] = {
-        **_OPACUS_SAMPLERS,
-        **{t: _preconditioned_sampler for t in supported_layer_types()},
-    }
+    GRAD_SAMPLERS: dict[Any, Any] = {}
 
     def add_hooks(self, *args: Any, **kwargs: Any) -> None:
         """Prepare functorch for covered types Opacus has no formula for, then add hooks.
 
-        Preparation copies the layer, so it must happen before hooks are registered (as
-        Opacus does for the layers it sends to functorch).
+        The sampler table is built here, per instance, from Opacus' table as it is now (so
+        samplers registered after import apply) and the preconditioned sampler for every
+        covered layer type. Preparation copies the layer, so it must happen before hooks are
+        registered (as Opacus does for the layers it sends to functorch).
         """
+        self.GRAD_SAMPLERS = {
+            **_OPACUS_SAMPLERS,
+            **{t: _preconditioned_sampler for t in supported_layer_types()},
+        }
         for m in self._module.modules():
             if type(m) in self.GRAD_SAMPLERS and type(m) not in _OPACUS_SAMPLERS:
                 if any(p.requires_grad for p in m.parameters(recurse=False)):

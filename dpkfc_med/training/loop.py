@@ -131,6 +131,7 @@ def _build_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, 
         in_channels=task.in_channels,
         out_channels=task.num_classes,
         dp_fix=False,
+        input_size=task.spatial_shape,
         **cfg.model.kwargs,
     )
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)

@@ -21,16 +21,41 @@ from dpkfc_med.models import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
-EXPECTED = {"small_cnn", "densenet121", "resnet18", "resnet10", "unet", "basicunet", "segresnet"}
+EXPECTED = {
+    "small_cnn",
+    "densenet121",
+    "resnet18",
+    "resnet10",
+    "unet",
+    "basicunet",
+    "segresnet",
+    "vit",
+    "unetr",
+    "swinunetr",
+}
 # Smallest cheap inputs. DenseNet121 downsamples by 32; BasicUNet by 16 and its instance
-# norm needs more than one voxel at the bottom, so both get 32^3 in 3D.
+# norm needs more than one voxel at the bottom, so both get 32^3 in 3D; UNETR's 16-voxel
+# patches likewise; SwinUNETR downsamples by 32 and also needs two voxels at the bottom.
 SIZES = {2: (32, 32), 3: (16, 16, 16)}
-SIZES_3D = {"densenet121": (32, 32, 32), "basicunet": (32, 32, 32)}
+SIZES_3D = {"densenet121": (32, 32, 32), "basicunet": (32, 32, 32), "unetr": (32, 32, 32)}
+SIZES_BY_NAME = {"swinunetr": {2: (64, 64), 3: (64, 64, 64)}}
+
+
+def _size(name: str, dims: int) -> tuple[int, ...]:
+    if name in SIZES_BY_NAME:
+        return SIZES_BY_NAME[name][dims]
+    return SIZES_3D.get(name, SIZES[dims]) if dims == 3 else SIZES[dims]
 
 
 def _input(name: str, dims: int, channels: int = 1, batch: int = 2) -> torch.Tensor:
-    size = SIZES_3D.get(name, SIZES[dims]) if dims == 3 else SIZES[dims]
-    return torch.randn(batch, channels, *size)
+    return torch.randn(batch, channels, *_size(name, dims))
+
+
+def _build(name: str, dims: int, **kwargs):
+    return build_model(
+        name, spatial_dims=dims, in_channels=1, out_channels=3, input_size=_size(name, dims),
+        **kwargs,
+    )
 
 
 def test_registry_has_expected_models() -> None:
@@ -41,7 +66,7 @@ def test_registry_has_expected_models() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_builds_runs_and_passes_opacus_validation(name: str, dims: int) -> None:
     torch.manual_seed(0)
-    model, _ = build_model(name, spatial_dims=dims, in_channels=1, out_channels=3)
+    model, _ = _build(name, dims)
     assert ModuleValidator.validate(model, strict=False) == []
     assert not any(isinstance(m, _BatchNorm) for m in model.modules())
     assert not any(getattr(m, "inplace", False) for m in model.modules())
@@ -60,7 +85,7 @@ def test_builds_runs_and_passes_opacus_validation(name: str, dims: int) -> None:
 def test_opacus_per_sample_grads_in_2d(name: str) -> None:
     """The fixed model runs under Opacus' hooks; per-sample grads add up to the batch grad."""
     torch.manual_seed(0)
-    model, _ = build_model(name, spatial_dims=2, in_channels=1, out_channels=3)
+    model, _ = _build(name, 2)
     model = model.double()
     gsm = GradSampleModule(model, loss_reduction="sum")
     out = gsm(_input(name, 2).double())
@@ -71,6 +96,8 @@ def test_opacus_per_sample_grads_in_2d(name: str) -> None:
 
     mismatches = []
     for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         sample = getattr(p, "grad_sample", None)
         if sample is None or sample.shape != (2, *p.shape):
             mismatches.append(f"{pname}: missing or misshaped grad_sample")
@@ -151,3 +178,12 @@ def test_register_model_rejects_duplicates_and_bad_task() -> None:
         ValueError, match=r"unknown task 'clasification' \(did you mean 'classification'\?\)"
     ):
         register_model("new_model", task="clasification")
+
+
+def test_transformers_need_an_input_size() -> None:
+    with pytest.raises(ValueError, match=r"'vit' is built for one input size: pass input_size"):
+        build_model("vit", spatial_dims=2, in_channels=1, out_channels=2)
+    model, _ = build_model("vit", spatial_dims=2, in_channels=1, out_channels=2, img_size=(16, 16))
+    assert model(torch.randn(3, 1, 16, 16)).shape == (3, 2)
+    # the non-transformers ignore it
+    build_model("unet", spatial_dims=2, in_channels=1, out_channels=2, input_size=(9, 9))
