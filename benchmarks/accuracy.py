@@ -71,6 +71,16 @@ SUITES: dict[str, dict[str, Any]] = {
         "training": {"epochs": 5, "batch_size": 256},
         "probes": {"preset": "xray", "num_probes": 128},
     },
+    # MONAI ViT (patch 4: 49 tokens, hidden 96, 4 layers); the attention parameters the
+    # adapters do not cover (LayerNorm affines, class token, position embedding) get the
+    # diagonal fallback from probes
+    "pneumonia_vit": {
+        "data": {"path": "pneumoniamnist"},
+        "model": {"name": "vit"},
+        "training": {"epochs": 5, "batch_size": 256},
+        "probes": {"preset": "xray"},
+        "preconditioner": {"fallback": "diagonal"},
+    },
     "adrenal3d_cnn": {
         "data": {"path": "adrenalmnist3d"},
         "model": {"name": "small_cnn"},
@@ -92,6 +102,9 @@ METHODS: dict[str, dict[str, Any]] = {
     # the default until session 6: dense U_A (rank_a null); see DENSE_A_DEFAULT_UNTIL
     "dp-kfc-dense": {"method": "dp-kfc", "preconditioner": {"rank_a": None}},
     "dp-kfc-white": {"method": "dp-kfc-white"},
+    # the other probe-only families (preconditioner.family)
+    "dp-kfc-shampoo": {"method": "dp-kfc", "preconditioner": {"family": "shampoo"}},
+    "dp-kfc-diagonal": {"method": "dp-kfc", "preconditioner": {"family": "diagonal"}},
     "dp-kfc-ag": {"method": "dp-kfc", "preconditioner": {"factors": "ag", "damping_g": 0.1}},
     # opt-in structured conv factor U_C (x) U_K (cheaper transform; an approximation)
     "dp-kfc-kron": {"method": "dp-kfc", "preconditioner": {"conv_a": "kron"}},
@@ -202,6 +215,7 @@ def _run_opacus(cfg_dict: dict[str, Any]) -> dict[str, Any]:
         spatial_dims=task.spatial_dims,
         in_channels=task.in_channels,
         out_channels=task.num_classes,
+        input_size=task.spatial_shape,
         **cfg.model.kwargs,
     )
     n = len(task.train_set)
