@@ -190,6 +190,39 @@ CASES: dict[str, Case] = {
             "up to 3457 wide), so the refresh is built from 2 probes and the default refresh "
             "time is extrapolated",
         ),
+        Case(
+            key="vit_2d",
+            registry_name="vit",
+            task="classification",
+            spatial_dims=2,
+            in_channels=1,
+            num_classes=2,
+            description="MONAI ViT 2D (patch 4: 49 tokens + class token, hidden 96, 4 layers, "
+            "4 heads, MLP 192), 1 channel, 2 classes",
+            epoch_samples=4708,
+            epoch_data=_PNEUMONIA,
+            full=Setting((28, 28), 256, {"fallback": "diagonal"}),
+            quick=Setting((28, 28), 16, _QUICK_KFC | {"num_probes": 8}, _QUICK_WHY),
+        ),
+        Case(
+            key="unetr_3d",
+            registry_name="unetr",
+            task="segmentation",
+            spatial_dims=3,
+            in_channels=1,
+            num_classes=3,
+            description="MONAI UNETR 3D (16^3 patches: 2x3x2 tokens, hidden 96, 12 blocks, "
+            "4 heads, MLP 192, feature size 8), hippocampus crop 32x48x32, 3 output channels",
+            epoch_samples=220,
+            epoch_data="MSD Task04 Hippocampus volumes available here (220)",
+            full=Setting(
+                (32, 48, 32), 16, {"max_factor_dim": 8192, "fallback": "diagonal"}
+            ),
+            quick=Setting((32, 32, 32), 1, _QUICK_KFC | {"num_probes": 4}, _QUICK_WHY),
+            cpu_full_kfc={"num_probes": 8},
+            cpu_full_why="CPU full mode: the refresh is built from 8 probes and the default "
+            "refresh time is extrapolated",
+        ),
     )
 }
 
@@ -242,8 +275,11 @@ def _fallback_build(case: Case) -> nn.Module:
     return model
 
 
-def build_network(case: Case, seed: int) -> tuple[nn.Module, str]:
-    """The case's network with seeded initial weights, and how it was built."""
+def build_network(
+    case: Case, seed: int, shape: tuple[int, ...] | None = None
+) -> tuple[nn.Module, str]:
+    """The case's network (for spatial input ``shape``) with seeded initial weights, and how
+    it was built."""
     torch.manual_seed(seed)
     try:
         from dpkfc_med.models import build_model
@@ -254,6 +290,7 @@ def build_network(case: Case, seed: int) -> tuple[nn.Module, str]:
         spatial_dims=case.spatial_dims,
         in_channels=case.in_channels,
         out_channels=case.num_classes,
+        input_size=shape,
     )
     return model, f"dpkfc_med.models.build_model({case.registry_name!r}), {len(fixes)} fixes"
 
@@ -309,7 +346,7 @@ def layer_footprint(case: Case, shape: tuple[int, ...], seed: int = 0) -> list[d
     sample (:func:`dpkfc_med.curvature.cost.layer_footprint`), as plain dicts."""
     from dpkfc_med.curvature.cost import layer_footprint as footprint
 
-    model, _ = build_network(case, seed)
+    model, _ = build_network(case, seed, shape)
     return [r.to_dict() for r in footprint(model, make_batch(case, 1, shape, seed)[0])]
 
 
@@ -554,7 +591,7 @@ def measure_timing(
         {...} or None, ...}``.
     """
     device = torch.device(device)
-    base, built_by = build_network(case, seed)
+    base, built_by = build_network(case, seed, shape)
     base = base.to(device)
     x, y = make_batch(case, batch, shape, seed)
     x, y = x.to(device), y.to(device)
@@ -814,7 +851,7 @@ def measure_memory_job(job: dict[str, Any]) -> dict[str, Any]:
     seed = job["seed"]
 
     def model_and_batch() -> tuple[nn.Module, Tensor, Tensor]:
-        model, _ = build_network(case, seed)
+        model, _ = build_network(case, seed, shape)
         x, y = make_batch(case, job["batch"], shape, seed)
         return model.to(device), x.to(device), y.to(device)
 
@@ -1327,7 +1364,7 @@ def _calibrate_batch(
     """Halve the batch until an Opacus step takes at most ``max_step_s`` (CPU full mode)."""
     trace = []
     while True:
-        model, _ = build_network(case, seed)
+        model, _ = build_network(case, seed, shape)
         x, y = make_batch(case, batch, shape, seed)
         runner = setup_method(
             "opacus", case, model.to(device), x.to(device), y.to(device), shape, seed

@@ -48,10 +48,10 @@ def run_config_path(bundle: Path) -> Path:
 
 
 def _task_record(cfg: Any) -> dict[str, Any]:
-    from dpkfc_med.training.loop import _task_meta
+    from dpkfc_med.training.loop import task_record
     from dpkfc_med.training.tasks import build_task
 
-    return _task_meta(build_task(cfg, public_probes=False))
+    return task_record(build_task(cfg, public_probes=False))
 
 
 def pipeline_files(bundle: Path) -> dict[str, str]:

@@ -34,7 +34,7 @@ from dpkfc_med.data import (
 from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
-from dpkfc_med.training.loop import _build_model
+from dpkfc_med.training.loop import build_run_model
 from dpkfc_med.training.tasks import Task, build_task
 from dpkfc_med.utils import write_json
 
@@ -126,7 +126,7 @@ def evaluate_run(
         log.warning("evaluate %s: %s", run, warning)
         warnings.warn(warning, TrainingDataEvaluationWarning, stacklevel=2)
     dev = torch.device(device)
-    model, _ = _build_model(cfg, task)
+    model, _ = build_run_model(cfg, task)
     model.load_state_dict(saved["model"])
     model.to(dev).eval()
     metrics = task.evaluate(model, split, dev, cfg.training.eval_batch_size, full=True)

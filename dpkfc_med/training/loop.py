@@ -66,7 +66,16 @@ from dpkfc_med.training.schedule import WeightAverage, lr_factor
 from dpkfc_med.training.tasks import Task, build_task
 from dpkfc_med.utils import atomic_write_bytes, write_json
 
-__all__ = ["PlanError", "RunInterrupted", "RunResult", "noise_only_step", "plan_privacy", "train"]
+__all__ = [
+    "PlanError",
+    "RunInterrupted",
+    "RunResult",
+    "build_run_model",
+    "noise_only_step",
+    "plan_privacy",
+    "task_record",
+    "train",
+]
 
 CHECKPOINT = "checkpoint.pt"
 LEDGER = "ledger.json"
@@ -124,7 +133,12 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _build_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, Any]]]:
+def build_run_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """The run's network, made DP-compatible and checked against the task's input size.
+
+    Returns:
+        The model and its fixes as dictionaries (the report's ``model.fixes``).
+    """
     model, _ = build_model(
         cfg.model.name,
         spatial_dims=task.spatial_dims,
@@ -213,7 +227,7 @@ def train(
     # ---------------------------------------------------------------- 1. validate all input
     task = build_task(cfg, data_path)
     _seed_everything(cfg.training.seed)
-    model, fixes = _build_model(cfg, task)
+    model, fixes = build_run_model(cfg, task)
     model.to(device)
     n_units = len(task.train_set)  # type: ignore[arg-type]
     if n_units == 0:
@@ -785,7 +799,7 @@ def _finish(
                 "model": model.state_dict(),
                 "final_model": final_state,
                 "config": cfg.to_dict(),
-                "task": _task_meta(task),
+                "task": task_record(task),
                 "selected_epoch": state.best["epoch"],
             },
             run_dir / "model.pt",
@@ -826,7 +840,8 @@ def _unit_note(task: Task, privacy: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def _task_meta(task: Task) -> dict[str, Any]:
+def task_record(task: Task) -> dict[str, Any]:
+    """The task's public description kept in ``run.json`` (shapes, classes, unit, metric)."""
     return {
         "kind": task.kind,
         "spatial_dims": task.spatial_dims,

@@ -69,7 +69,7 @@ def test_pretrain_refused_for_classification():
 def test_pretrained_weights_do_not_depend_on_the_private_data():
     """Same config, two different private training sets: bitwise the same pretrained model."""
     assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
-    from dpkfc_med.training.loop import _build_model, _pretrain, _seed_everything
+    from dpkfc_med.training.loop import _pretrain, _seed_everything, build_run_model
     from dpkfc_med.training.tasks import build_task
 
     weights = []
@@ -80,7 +80,7 @@ def test_pretrained_weights_do_not_depend_on_the_private_data():
         cfg = load_config(CONFIG, TINY + subset)
         task = build_task(cfg)
         _seed_everything(cfg.training.seed)
-        model, _ = _build_model(cfg, task)
+        model, _ = build_run_model(cfg, task)
         before = [p.detach().clone() for p in model.parameters()]
         record = _pretrain(cfg, task, model, torch.device("cpu"))
         assert record["steps"] == 3 and "no private" in record["data"]
