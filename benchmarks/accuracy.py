@@ -106,6 +106,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # the other probe-only families (preconditioner.family)
     "dp-kfc-shampoo": {"method": "dp-kfc", "preconditioner": {"family": "shampoo"}},
     "dp-kfc-diagonal": {"method": "dp-kfc", "preconditioner": {"family": "diagonal"}},
+    # K-FAC-reduce over weight-shared positions (tokens) instead of expand
+    "dp-kfc-reduce": {"method": "dp-kfc", "preconditioner": {"reduction": "reduce"}},
     "dp-kfc-ag": {"method": "dp-kfc", "preconditioner": {"factors": "ag", "damping_g": 0.1}},
     # opt-in structured conv factor U_C (x) U_K (cheaper transform; an approximation)
     "dp-kfc-kron": {"method": "dp-kfc", "preconditioner": {"conv_a": "kron"}},
