@@ -6,6 +6,7 @@ from dpkfc_med.curvature.preconditioner import (
     KroneckerBlock,
     KroneckerPreconditioner,
     PreconditionerConfig,
+    coverage_shares,
     coverage_summary,
     inverse_sqrt,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "PreconditionerConfig",
     "adapter_for",
     "covered_layers",
+    "coverage_shares",
     "coverage_summary",
     "estimate_factors",
     "inverse_sqrt",

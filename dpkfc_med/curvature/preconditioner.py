@@ -74,6 +74,8 @@ __all__ = [
     "LowRankA",
     "PreconditionerConfig",
     "ScaleRule",
+    "coverage_shares",
+    "coverage_summary",
     "inverse_sqrt",
     "low_rank_of",
 ]
@@ -1226,16 +1228,48 @@ class KroneckerPreconditioner:
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description for the privacy report.
 
+        ``"coverage_shares"`` is :func:`coverage_shares` of the coverage table;
         ``"eig_fallbacks"`` lists every factor whose eigendecomposition fell back (one
         :meth:`~dpkfc_med.curvature.linalg.EighFallback.to_dict` each: layer, factor, what
         failed, what was used); empty when all succeeded in ``eig_dtype``.
         """
+        coverage = self.coverage()
         return {
             "config": self.config.to_dict(),
-            "coverage": self.coverage(),
+            "coverage": coverage,
+            "coverage_shares": coverage_shares(coverage),
             "eig_fallbacks": [],
             **self.info,
         }
+
+
+def coverage_shares(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Shares of the trainable parameters by what the coverage table gave them.
+
+    Args:
+        rows: :meth:`KroneckerPreconditioner.coverage` rows.
+
+    Returns:
+        ``{"trainable": n, "full_block": share in a block of the family whose factors are
+        full matrices (dense, low-rank plus tail, Kronecker-structured or elementwise for the
+        diagonal family), "diagonal_block": share in a block whose activation-side factor
+        was reduced to its diagonal (``max_factor_dim``), "fallback": share under the
+        fallback rule}``; shares sum to 1.
+    """
+    total = sum(int(r["params"]) for r in rows)
+    fallback = sum(int(r["params"]) for r in rows if str(r["adapter"]).startswith("fallback"))
+    diagonal = sum(
+        int(r["params"])
+        for r in rows
+        if not str(r["adapter"]).startswith("fallback") and r["A"] == "diagonal"
+    )
+    share = (lambda n: n / total) if total else (lambda n: 0.0)
+    return {
+        "trainable": total,
+        "full_block": share(total - fallback - diagonal),
+        "diagonal_block": share(diagonal),
+        "fallback": share(fallback),
+    }
 
 
 def coverage_summary(model: nn.Module) -> list[dict[str, Any]]:

@@ -1002,6 +1002,7 @@ def build_report(
                 "covered_layers": prov["covered_layers"],
                 "config": (prov.get("preconditioner") or {}).get("config", {}),
                 "coverage": (prov.get("preconditioner") or {}).get("coverage", []),
+                "coverage_shares": (prov.get("preconditioner") or {}).get("coverage_shares"),
                 "eig_fallbacks": [
                     {**fb, "refresh_step": r["step"]}
                     for r in prov["refreshes"]

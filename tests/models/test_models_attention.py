@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpkfc_med.curvature.factors import estimate_factors
-from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.curvature.preconditioner import PreconditionerConfig, coverage_shares
 from dpkfc_med.models import ModelCompatibilityError, build_model, validate_private_compatible
 from dpkfc_med.models.fix import make_private_compatible
 from dpkfc_med.privacy.engine import PrivacyEngine
@@ -286,17 +286,19 @@ def test_default_transformers_have_full_blocks_on_95_percent_of_parameters(
     x, y = probes.sample(4, seed=0)
     eng, _ = _engine_sized(model, x, y, probes, cfg)
     rows = eng.preconditioner.coverage()
-    total = sum(r["params"] for r in rows)
-    # a curvature block of the family (dense or low-rank-plus-tail A), not a diagonal
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # brute force: a block of the family (dense or low-rank-plus-tail A), not a diagonal A
     # or a fallback
     full = sum(
         r["params"]
         for r in rows
         if not r["adapter"].startswith("fallback") and r["A"] not in ("diagonal", "none")
     )
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert total == trainable
-    assert full / trainable >= 0.95
+    shares = coverage_shares(rows)
+    assert shares["trainable"] == trainable
+    assert shares["full_block"] == pytest.approx(full / trainable)
+    assert sum(v for k, v in shares.items() if k != "trainable") == pytest.approx(1.0)
+    assert shares["full_block"] >= 0.95
     attention = [r for r in rows if ".attn." in r["layer"] and r["type"] == "Linear"]
     assert attention and all(r["A"] != "diagonal" for r in attention)
 
