@@ -26,7 +26,7 @@ import torch
 from opacus.data_loader import DPDataLoader
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from dpkfc_med.curvature.cost import (
     auto_refresh_every,
@@ -40,6 +40,7 @@ from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.rng import SecurePoissonSampler
+from dpkfc_med.probes.sources import ProbeSource
 from dpkfc_med.utils import check_choice
 
 __all__ = ["Method", "PrivacyEngine", "check_loader_sampling", "check_model_compatible"]
@@ -152,6 +153,23 @@ def _poisson_loader(
     return loader
 
 
+def _probe_source_problems(source: object) -> list[str]:
+    """Refuse data containers as probe sources: the preconditioner must never see data."""
+    kind = type(source).__name__
+    if isinstance(source, (DataLoader, Dataset, Tensor)):
+        return [
+            f"probe_source is a {kind}: the preconditioner may only be built from synthetic "
+            "probes (no private data); pass a dpkfc_med.probes.ImageProbeSource (or another "
+            "ProbeSource) and keep the data in data_loader"
+        ]
+    if not isinstance(source, ProbeSource):
+        return [
+            f"probe_source ({kind}) must have sample(num, *, seed, model, device, dtype) and "
+            "describe() (the dpkfc_med.probes.ProbeSource protocol)"
+        ]
+    return []
+
+
 class PrivacyEngine:
     """Makes a model, optimizer and loader private with DP-SGD or DP-KFC.
 
@@ -196,7 +214,7 @@ class PrivacyEngine:
         self.module: PreconditionedGradSampleModule | None = None
         self.optimizer: ScaleThenPrivatizeOptimizer | None = None
         self.method = Method.DP_SGD
-        self.probe_source: Any = None
+        self.probe_source: ProbeSource | None = None
         self.probe_loss: LossFn | None = None
         self.preconditioner_config: PreconditionerConfig | None = None
         self.refresh_every = 0
@@ -218,7 +236,7 @@ class PrivacyEngine:
         max_grad_norm: float,
         delta: float,
         method: Method | str = Method.DP_KFC,
-        probe_source: Any = None,
+        probe_source: ProbeSource | None = None,
         probe_loss: LossFn | None = None,
         preconditioner: PreconditionerConfig | None = None,
         refresh_every: int | str = "auto",
@@ -240,8 +258,10 @@ class PrivacyEngine:
             max_grad_norm: clip norm ``C``.
             delta: the delta epsilon is reported at.
             method: ``"dp-kfc"`` or ``"dp-sgd"``.
-            probe_source: object with ``sample(num, seed=..., model=..., device=..., dtype=...)``
-                returning ``(inputs, targets)`` -- required for dp-kfc. Never private data.
+            probe_source: a :class:`~dpkfc_med.probes.ProbeSource` (``sample(num, seed=...,
+                model=..., device=..., dtype=...)`` returning ``(inputs, targets)`` and
+                ``describe()``) -- required for dp-kfc. Never private data: a ``DataLoader``,
+                ``Dataset`` or tensor is refused.
             probe_loss: per-sample loss on probes ``(outputs, targets) -> [M]``.
             preconditioner: preconditioner settings (dp-kfc).
             refresh_every: rebuild the preconditioner every this many steps (0: never after
@@ -273,6 +293,8 @@ class PrivacyEngine:
                 "method=dp-kfc needs probe_source and probe_loss (e.g. "
                 "dpkfc_med.probes.ImageProbeSource and a per-sample loss); or use method=dp-sgd"
             )
+        if self.method is Method.DP_KFC and probe_source is not None:
+            problems += _probe_source_problems(probe_source)
         if self.method is Method.DP_KFC:
             problems += refresh_settings_problems(refresh_every, refresh_budget)
             natural = preconditioner is not None and preconditioner.step == "natural"
@@ -416,6 +438,7 @@ class PrivacyEngine:
         """Check one probe against the training data's shape; return that probe's input."""
         first = data_loader.dataset[0]
         x = first[0] if isinstance(first, (tuple, list)) else first.get("image")  # type: ignore[union-attr]
+        assert self.probe_source is not None  # checked in make_private
         probe = self.probe_source.sample(1, seed=0, model=self._probe_module())
         px = probe[0]
         if isinstance(x, Tensor) and tuple(px.shape[1:]) != tuple(x.shape[-(px.dim() - 1) :]):
@@ -433,6 +456,7 @@ class PrivacyEngine:
         model = self._probe_module()
         ref = next(model.parameters())
         seed = self.probe_seed + len(self.refreshes)
+        assert self.probe_source is not None  # checked in make_private
         t0 = time.perf_counter()
         self.module.disable_hooks()
         try:

@@ -571,3 +571,34 @@ def test_layer_snr_is_clipped_sum_norm_over_expected_noise_norm(float64):
     assert set(d.layer_snr) == set(signal) == set(d.layer_share)
     for key in signal:
         assert d.layer_snr[key] == pytest.approx(signal[key] / (noise * dims[key]), rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["loader", "dataset", "tensor", "object"])
+def test_data_containers_are_refused_as_probe_sources(kind):
+    """The preconditioner may only see probes: private data passed as probes is refused."""
+    x, y = _data(16)
+    ds = TensorDataset(x, y)
+    source = {
+        "loader": DataLoader(ds, batch_size=4),
+        "dataset": ds,
+        "tensor": x,
+        "object": object(),
+    }[kind]
+    with pytest.raises(ValueError) as info:
+        PrivacyEngine(seed=0).make_private(
+            module=tiny_cnn_2d(),
+            optimizer=torch.optim.SGD(tiny_cnn_2d().parameters(), lr=0.1),
+            data_loader=DataLoader(ds, batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            delta=1e-5,
+            method="dp-kfc",
+            probe_source=source,
+            probe_loss=per_sample_ce,
+        )
+    text = str(info.value)
+    if kind == "object":
+        assert "ProbeSource protocol" in text
+    else:
+        assert f"probe_source is a {type(source).__name__}" in text
+        assert "no private data" in text
