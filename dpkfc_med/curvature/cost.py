@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for
 from dpkfc_med.curvature.factors import FactorReduction, covered_layers
-from dpkfc_med.curvature.preconditioner import low_rank_of
+from dpkfc_med.curvature.preconditioner import low_rank_of, transform_path_macs
 
 __all__ = [
     "AUTO_REFRESH_BASE",
@@ -159,9 +159,11 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
     """Per covered layer and per sample: multiply-adds of the raw gradient and the transform.
 
     The raw per-sample gradient is what DP-SGD computes too; the DP-KFC transform is counted
-    on the path the preconditioner picks. Mirrors ``KroneckerBlock._cost``; transposed
-    convolutions form raw gradients on their input grid and always transform them
-    (``n_g^2 n_a + n_g n_a^2``).
+    on the path the preconditioner picks, with the same
+    :func:`~dpkfc_med.curvature.preconditioner.transform_path_macs` the blocks choose it by;
+    transposed convolutions form raw gradients on their input grid and always transform them
+    (``n_g^2 n_a + n_g n_a^2``). Shampoo counts both sides as full matrices where they fit
+    ``max_factor_dim``; the diagonal family one elementwise product of the gradient.
 
     Args:
         rows: :func:`layer_footprint`.
@@ -169,6 +171,9 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
     """
     cfg = _settings(config)
     max_dim, factors = int(cfg["max_factor_dim"]), str(cfg["factors"])
+    family = str(cfg.get("family", "kfac"))
+    if family == "shampoo":
+        factors = "ag"  # both sides, each full where it fits max_factor_dim
     out = []
     for r in rows:
         t, g, n_a, n_g = r.T, r.G, r.n_a, r.n_g
@@ -176,18 +181,21 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
         full_g = factors == "ag" and n_g <= max_dim
         a_row = full_a * n_a * n_a  # one row times U_A
         rank = low_rank_of(n_a, cfg.get("rank_a"))
-        if full_a and rank and not _kron(r, cfg, full_a):
+        if family == "kfac" and full_a and rank and not _kron(r, cfg, full_a):
             a_row = 2 * n_a * rank  # c I + V diag(d) V^T
-        materialized = g * (full_g * n_g * n_g * n_a + n_g * a_row)
-        if factors == "identity":
+        factored, materialized = transform_path_macs(
+            positions=t, groups=g, n_a=n_a, n_g=n_g, a_row=a_row, full_g=full_g
+        )
+        if family == "diagonal":
+            extra = g * n_g * n_a  # g / sqrt(v): one product per weight
+        elif factors == "identity":
             extra = 0
-        elif _kron(r, cfg, full_a):
+        elif family == "kfac" and _kron(r, cfg, full_a):
             c, k = r.C, r.K
             extra = r.S * c * c + n_g * c * k * k + full_g * n_g * n_g * n_a
         elif r.type.startswith("ConvTranspose"):
             extra = materialized
         else:
-            factored = t * g * (a_row + full_g * n_g * n_g)
             extra = min(factored, materialized)
         out.append({"layer": r.layer, "type": r.type, "raw": _raw(r), "transform": extra})
     return out

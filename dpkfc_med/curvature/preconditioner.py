@@ -78,6 +78,7 @@ __all__ = [
     "coverage_summary",
     "inverse_sqrt",
     "low_rank_of",
+    "transform_path_macs",
 ]
 
 
@@ -447,6 +448,29 @@ def low_rank_of(n_a: int, rank_a: int | None) -> int | None:
     return rank_a if rank_a is not None and n_a > 2 * rank_a else None
 
 
+def transform_path_macs(
+    *, positions: int, groups: int, n_a: int, n_g: int, a_row: int, full_g: bool
+) -> tuple[int, int]:
+    r"""Per-sample multiply-adds of a layer's transform on each path, beyond the raw gradient.
+
+    With ``T`` positions, ``G`` groups and one row times ``U_A`` costing ``a_row``:
+
+    * factored (transform the rows, then the outer product): ``T G (a_row + [full G] n_g^2)``;
+    * materialized (outer product, then transform ``g``): ``G ([full G] n_g^2 n_a + n_g a_row)``.
+
+    The one cost model of the transform: :meth:`KroneckerBlock.choose_path` picks the cheaper
+    path with it and :func:`dpkfc_med.curvature.cost.transform_macs` (the refresh schedule and
+    the cost benchmark) counts the path the block picks.
+
+    Returns:
+        ``(factored, materialized)``.
+    """
+    g_mat = int(full_g) * n_g * n_g
+    factored = positions * groups * (a_row + g_mat)
+    materialized = groups * (g_mat * n_a + n_g * a_row)
+    return factored, materialized
+
+
 @dataclass
 class LowRankA:
     r"""``U_A = c I + V diag(d) V^T`` per group: ``A``'s top ``r`` eigenpairs, the tail at its mean.
@@ -579,17 +603,22 @@ class KroneckerBlock:
         return self.adapter.dims(self.module)
 
     def _cost(self, b: int, t: int) -> tuple[float, float]:
+        """Multiply-adds of ``b`` samples' transformed gradients on each path."""
         g, n_a, n_g = self.dims
         full_a = self.u_a is not None and self.u_a.dim() == 3
-        full_g = self.u_g is not None and self.u_g.dim() == 3
-        # multiply-adds of one row times U_A
-        a_row = full_a * n_a * n_a
+        a_row = full_a * n_a * n_a  # one row times U_A
         if self.a_kron is not None or self.a_low is not None:
             a_row = (self.a_kron or self.a_low).row_macs  # type: ignore[union-attr]
-        base = b * t * g * n_a * n_g
-        factored = base + b * t * g * (a_row + full_g * n_g * n_g)
-        materialized = base + b * g * (full_g * n_g * n_g * n_a + n_g * a_row)
-        return float(factored), float(materialized)
+        factored, materialized = transform_path_macs(
+            positions=t,
+            groups=g,
+            n_a=n_a,
+            n_g=n_g,
+            a_row=a_row,
+            full_g=self.u_g is not None and self.u_g.dim() == 3,
+        )
+        base = t * g * n_a * n_g  # the raw outer product, on both paths
+        return float(b * (base + factored)), float(b * (base + materialized))
 
     def choose_path(self, b: int, t: int) -> str:
         """The cheaper way to form transformed per-sample gradients.

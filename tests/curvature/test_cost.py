@@ -36,23 +36,34 @@ def test_layer_footprint_counts_positions_and_factor_sizes():
     assert (lin.T, lin.n_a, lin.n_g, lin.K) == (1, 301, 5, 1)
 
 
-def test_transform_macs_mirror_the_blocks_path_choice():
-    """Per layer, the estimate equals the cheaper of the block's own two path costs."""
+@pytest.mark.parametrize("family", ["kfac", "shampoo", "diagonal"])
+def test_transform_macs_mirror_the_blocks_path_choice(family):
+    """Per layer, the estimate equals the cheaper of the block's own two path costs (one
+    elementwise product per weight for the diagonal family)."""
     torch.manual_seed(1)
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3)
     )
-    cfg = PreconditionerConfig(num_probes=8, calibration_samples=2, factors="ag")
+    cfg = PreconditionerConfig(
+        num_probes=8, calibration_samples=2, factors="ag", family=family, rank_a=8
+    )
     x = torch.randn(8, 2, 6, 6)
     pre = KroneckerPreconditioner.from_probes(
         model, x, torch.randint(0, 3, (8,)), per_sample_ce, cfg
     )
     rows = cc.layer_footprint(model, x)
     for r, m in zip(rows, cc.transform_macs(rows, cfg)):
-        factored, materialized = pre.blocks[r.layer]._cost(1, r.T)
+        block = pre.blocks[r.layer]
         base = r.T * r.G * r.n_a * r.n_g
         assert m["raw"] == base
+        if family == "diagonal":
+            assert block.choose_path(1, r.T) == "materialized"
+            assert m["transform"] == r.G * r.n_g * r.n_a
+            continue
+        factored, materialized = block._cost(1, r.T)
         assert m["transform"] == min(factored, materialized) - base
+    if family == "kfac":  # the Linear's 145-wide A is low-rank (rank 8)
+        assert pre.blocks["3"].a_low is not None
 
 
 def test_refresh_macs_hand_count_for_one_linear_layer():
