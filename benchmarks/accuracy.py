@@ -387,9 +387,57 @@ def summarize(data: dict[str, Any]) -> str:
                 f"| {r['method']} | {eps_txt} | {r['lr']:g} | {r['val']['auroc']:.3f} | "
                 f"{r['val']['accuracy']:.3f} |"
             )
+    lines += _evidence(data, rows)
     commits = sorted({str(r.get("git_commit", "not recorded"))[:12] for r in data["runs"]})
     lines += ["", f"Runs made at git commits: {', '.join(commits)}."]
     return "\n".join(lines) + "\n"
+
+
+def _evidence(data: dict[str, Any], rows: dict[tuple[str, Any], list[dict[str, Any]]]) -> list[str]:
+    """Per-layer evidence of the evaluation runs (means over seeds), per epsilon.
+
+    From the runs' step diagnostics (un-noised private statistics, not DP): the clipped
+    fraction, and per layer the SNR of the privatized sum (squared norm of the clipped batch
+    sum over the noise's expected squared norm on that layer).
+    """
+    out: list[str] = []
+    for eps in sorted({e for _, e in rows if e is not None}):
+        methods = [m for m in METHODS if (m, eps) in rows]
+        diags = {
+            m: [r["diagnostics"] for r in rows[(m, eps)] if r.get("diagnostics")] for m in methods
+        }
+        diags = {m: d for m, d in diags.items() if d}
+        if not diags:
+            continue
+        layers: list[str] = []
+        for d in diags.values():
+            for layer in (d[0].get("mean_layer_snr") or {}):
+                if layer not in layers:
+                    layers.append(layer)
+
+        def mean(values: list[float | None]) -> float | None:
+            vals = [v for v in values if v is not None]
+            return float(np.mean(vals)) if vals else None
+
+        clipped = {m: mean([x.get("mean_clipped_fraction") for x in d]) for m, d in diags.items()}
+        out += [
+            "",
+            f"Per-layer evidence at epsilon {eps:g} (evaluation runs, mean over seeds; step "
+            "diagnostics are un-noised private statistics, not DP). Clipped fraction: "
+            + ", ".join(f"{m} {v:.2f}" for m, v in clipped.items() if v is not None)
+            + ". SNR = squared norm of the clipped batch sum / expected squared norm of the "
+            "noise on the layer:",
+            "",
+            "| layer | " + " | ".join(f"SNR {m}" for m in diags) + " |",
+            "|---|" + "---|" * len(diags),
+        ]
+        for layer in layers:
+            cells = []
+            for d in diags.values():
+                v = mean([(x.get("mean_layer_snr") or {}).get(layer) for x in d])
+                cells.append("-" if v is None else f"{v:.3g}")
+            out.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +453,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="comma list of result JSONs of this suite (e.g. one per epsilon, run in parallel): "
+        "write their union to --out and its Markdown, and run nothing",
+    )
     args = p.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
+        merged = {**parts[0], "runs": [r for part in parts for r in part["runs"]]}
+        merged["seeds"] = sorted({s for part in parts for s in part.get("seeds", [])})
+        target = args.out or ROOT / "benchmarks" / "results" / f"accuracy_{args.suite}.json"
+        _save(target, merged)
+        target.with_suffix(".md").write_text(summarize(merged))
+        print(target.with_suffix(".md").read_text())
+        return 0
     torch.set_num_threads(args.threads)
     suffix = "_quick" if args.quick else ""
     out = args.out or ROOT / "benchmarks" / "results" / f"accuracy_{args.suite}{suffix}.json"

@@ -86,7 +86,7 @@ class FactorMode(str, Enum):
     """Which Kronecker factors are used."""
 
     AG = "ag"  # U_G g U_A
-    A = "a"  # g U_A (activation whitening only; the safe mode of DESIGN.md 2b)
+    A = "a"  # g U_A (activation whitening only; the safe mode on binary tasks)
     IDENTITY = "identity"  # no curvature (DP-SGD, up to the global scale)
 
 
@@ -123,8 +123,8 @@ class PreconditionerConfig:
             the probe ``G`` factors are nearly rank-deficient (two classes) and full A+G with
             ``damping_g=0.1`` collapsed to the majority class, while A-only did not.
         damping_a: relative damping of ``A`` (times its mean eigenvalue).
-        damping_g: relative damping of ``G``; the key hyperparameter (DESIGN.md 2b: 1e-3
-            collapses a binary task, 0.1 does not).
+        damping_g: relative damping of ``G``; the key hyperparameter (1e-3 collapses a
+            binary task to its majority class, 0.1 does not).
         reduction: ``"expand"`` or ``"reduce"`` for weight-shared positions.
         scaling: ``"global"``, ``"per_layer"`` or ``"none"``.
         fallback: ``"identity"`` or ``"diagonal"``.

@@ -102,8 +102,8 @@ _TABLE = (
         rationale=(
             _NO_EXPONENT + "Projection radiographs of the breast measure near 3 (see "
             "'mammography'), but that value is specific to breast parenchyma; for chest "
-            "radiographs (e.g. PneumoniaMNIST) a controlled study recorded in DESIGN.md "
-            "section 2b found alpha = 3 probes worse than alpha = 2. Intensities scaled to "
+            "radiographs (e.g. PneumoniaMNIST) a controlled comparison found alpha = 3 probes "
+            "worse than alpha = 2. Intensities scaled to "
             "[0, 1] as in the usual MedMNIST / ScaleIntensity preprocessing."
         ),
     ),
