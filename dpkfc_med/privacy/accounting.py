@@ -5,7 +5,8 @@ multiplier ``sigma`` (noise std ``sigma * C`` on a sum of per-unit contributions
 ``C``). The ledger records runs of identical steps and answers epsilon at ``delta`` with
 
 * ``prv``: Opacus' PRV accountant (Gopi et al. 2021), upper bound of its estimate -- primary;
-* ``rdp``: Opacus' RDP accountant (Mironov 2017) -- cross-check;
+* ``rdp``: Opacus' RDP analysis (Mironov 2017) over :data:`RDP_ALPHAS` -- cross-check, and
+  cheap enough to answer after every step (:func:`rdp_epsilon`);
 * ``pld``: Google's ``dp_accounting`` privacy-loss-distribution accountant -- an independent
   implementation used to cross-check the Opacus figures.
 
@@ -26,7 +27,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.utils import get_noise_multiplier
 
 from dpkfc_med.utils import atomic_write_bytes, check_choice
@@ -38,6 +41,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_remaining",
     "epsilon_for",
+    "rdp_epsilon",
 ]
 
 LEDGER_SCHEMA = "dpkfc_med.ledger/1"
@@ -71,14 +75,9 @@ and warn "Optimal order is the largest alpha"; any order > 1 gives a valid bound
 search can only tighten the cross-check."""
 
 
-def _opacus_epsilon(events: list[GaussianSteps], delta: float, kind: Accountant) -> float:
-    history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
-    if kind is Accountant.RDP:
-        rdp = RDPAccountant()
-        rdp.history = history
-        return float(rdp.get_epsilon(delta=delta, alphas=RDP_ALPHAS))
+def _prv_epsilon(events: list[GaussianSteps], delta: float) -> float:
     prv = PRVAccountant()
-    prv.history = history
+    prv.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
     with _quiet_prv_domain():
         return float(prv.get_epsilon(delta=delta))
 
@@ -122,14 +121,53 @@ def epsilon_for(
 
 @functools.lru_cache(maxsize=256)
 def _epsilon_cached(events: tuple[GaussianSteps, ...], delta: float, kind: Accountant) -> float:
-    # Accountants take ~0.1-3 s per call; runs ask for the same history repeatedly.
+    # PRV and PLD take ~0.05-3 s per call; runs ask for the same history repeatedly.
     if not events:
         return 0.0
     if any(e.noise_multiplier <= 0 for e in events):
         return math.inf
     if kind is Accountant.PLD:
         return _pld_epsilon(list(events), delta)
-    return _opacus_epsilon(list(events), delta, kind)
+    if kind is Accountant.RDP:
+        return rdp_epsilon(list(events), delta)
+    return _prv_epsilon(list(events), delta)
+
+
+def rdp_epsilon(events: list[GaussianSteps], delta: float) -> float:
+    """RDP epsilon at ``delta`` spent by ``events``, cheap enough to ask after every step.
+
+    Equal, bit for bit, to Opacus' ``RDPAccountant.get_epsilon(delta, alphas=RDP_ALPHAS)`` on
+    the same history (this is ``epsilon_for(events, delta, "rdp")``): the RDP of ``k``
+    identical steps is ``k`` times that of one step (composition, Mironov 2017), and the
+    one-step RDP curve of each ``(q, sigma)`` is computed once and cached, so a call costs one
+    sum over the orders instead of the accountant's per-order series (tens of microseconds
+    instead of tens of milliseconds).
+
+    Privacy guarantee:
+        The value is a valid upper bound on the epsilon of the recorded mechanisms at
+        ``delta`` (RDP to (epsilon, delta) conversion of Balle et al. 2020); it is usually
+        looser than the PRV accountant's.
+    """
+    events = [e for e in events if e.steps > 0]
+    if not events:
+        return 0.0
+    if any(e.noise_multiplier <= 0 for e in events):
+        return math.inf
+    # Same expression as RDPAccountant.get_privacy_spent: sum of compute_rdp(...) * steps.
+    rdp = sum([_rdp_one_step(e.sample_rate, e.noise_multiplier) * e.steps for e in events])
+    eps, _ = rdp_analysis.get_privacy_spent(orders=RDP_ALPHAS, rdp=rdp, delta=delta)
+    return float(eps)
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_one_step(sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    rdp = np.asarray(
+        rdp_analysis.compute_rdp(
+            q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=RDP_ALPHAS
+        )
+    )
+    rdp.setflags(write=False)  # shared by every caller through the cache
+    return rdp
 
 
 def calibrate_noise_multiplier(
@@ -252,6 +290,20 @@ class PrivacyLedger:
         else:
             self.events.append(GaussianSteps(sample_rate, noise_multiplier, steps))
         self.save()
+
+    def prefix(self, steps: int) -> list[GaussianSteps]:
+        """The events of the first ``steps`` noisy steps (the ledger as it was after them)."""
+        if not 0 <= steps <= self.steps:
+            raise ValueError(f"steps={steps}: must be in [0, {self.steps}] (the steps recorded)")
+        out: list[GaussianSteps] = []
+        left = steps
+        for e in self.events:
+            if left <= 0:
+                break
+            take = min(e.steps, left)
+            out.append(GaussianSteps(e.sample_rate, e.noise_multiplier, take))
+            left -= take
+        return out
 
     def epsilon(
         self, accountant: Accountant | str = Accountant.PRV, delta: float | None = None

@@ -30,6 +30,7 @@ __all__ = [
     "CUSTODIAN_SCHEMA",
     "PRIVATE_DIR",
     "not_covered",
+    "not_covered_summary",
     "split_report",
 ]
 
@@ -157,45 +158,88 @@ def not_covered(report: Mapping[str, Any]) -> list[str]:
     Args:
         report: the (shareable or full) report.
     """
+    return [full for _, full in _not_covered_items(report)]
+
+
+def not_covered_summary(report: Mapping[str, Any]) -> list[str]:
+    """The items of :func:`not_covered`, each in a few words (the plain-language summary)."""
+    return [short for short, _ in _not_covered_items(report)]
+
+
+def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(short, full)`` statement of each thing the guarantee does not cover."""
     p = report.get("privacy") or {}
     data = report.get("data") or {}
     items = [
-        "Hyperparameter tuning on the private data, including the choice of the released "
-        "epoch on the private validation split.",
-        "The number of training units N (it sets the sample rate q = 1/ceil(N/B), the number "
-        "of steps and delta) is treated as public, as in Opacus and the standard analysis of "
-        "Poisson-subsampled Gaussian mechanisms.",
-        f"Everything under {PRIVATE_DIR}/ (for the data custodian only): "
-        + "; ".join(CUSTODIAN_ONLY.values())
-        + "; segmentation overlays and evaluations.",
+        (
+            "any hyperparameter tuning on the private data, and the choice of the released "
+            "epoch on the private validation split",
+            "Hyperparameter tuning on the private data, including the choice of the released "
+            "epoch on the private validation split.",
+        ),
+        (
+            "the number of training units, which is treated as public",
+            "The number of training units N (it sets the sample rate q = 1/ceil(N/B), the "
+            "number of steps and delta) is treated as public, as in Opacus and the standard "
+            "analysis of Poisson-subsampled Gaussian mechanisms.",
+        ),
+        (
+            f"the evaluations and training statistics kept in {PRIVATE_DIR}/ (computed from "
+            "the private data without noise, for the data custodian only)",
+            f"Everything under {PRIVATE_DIR}/ (for the data custodian only): "
+            + "; ".join(CUSTODIAN_ONLY.values())
+            + "; segmentation overlays and evaluations.",
+        ),
     ]
     if p.get("private"):
         rand = (p.get("randomness") or {}).get("source")
         if rand == "seeded":
             items.insert(
                 0,
-                "NOTHING: this run's noise and sampling were seeded from a published seed "
-                "(privacy.reproducible_noise: true), so anyone can replay them; it is NOT a "
-                "valid DP release.",
+                (
+                    "anything at all, because the noise can be replayed from the published seed",
+                    "NOTHING: this run's noise and sampling were seeded from a published seed "
+                    "(privacy.reproducible_noise: true), so anyone can replay them; it is NOT a "
+                    "valid DP release.",
+                ),
             )
         else:
             items.append(
-                "Weaknesses of the random number generator: the guarantee assumes ideal "
-                "randomness; noise comes from "
-                + (
-                    "the OS CSPRNG with Opacus' floating-point hardening."
-                    if rand == "os-csprng"
-                    else "PyTorch's generator seeded from OS entropy (set privacy.secure_rng: "
-                    "true for the OS CSPRNG and floating-point hardening)."
-                ),
+                (
+                    "flaws of the random number generator (ideal randomness is assumed)",
+                    "Weaknesses of the random number generator: the guarantee assumes ideal "
+                    "randomness; noise comes from "
+                    + (
+                        "the OS CSPRNG with Opacus' floating-point hardening."
+                        if rand == "os-csprng"
+                        else "PyTorch's generator seeded from OS entropy (set privacy.secure_rng: "
+                        "true for the OS CSPRNG and floating-point hardening)."
+                    ),
+                )
             )
     note = data.get("unit_note")
     if isinstance(note, Mapping) and note.get("statement"):
-        items.append(str(note["statement"]))
+        items.append(
+            (
+                "patients with several images, beyond the weaker group-privacy bound",
+                str(note["statement"]),
+            )
+        )
     pre = report.get("preconditioner") or {}
+    if pre.get("uses_private_data"):
+        items.append(
+            (
+                "the preconditioner, which was built partly from private training images",
+                "The preconditioner: its public proxy shares images with the private training "
+                "set (probes.allow_public_overlap: true), so it depends on private records.",
+            )
+        )
     if pre.get("external_data"):
         items.append(
-            "The external public data used for the preconditioner is not protected by this "
-            "guarantee (it is assumed public)."
+            (
+                "the external public data used for the preconditioner",
+                "The external public data used for the preconditioner is not protected by this "
+                "guarantee (it is assumed public).",
+            )
         )
     return items

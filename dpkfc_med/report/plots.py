@@ -1,5 +1,9 @@
 """Report figures as PNG bytes: epsilon against step, and the training curves.
 
+The epsilon figure draws the stated accountant's exact values at the steps the history lists
+(markers: nothing is interpolated between them) over the RDP accountant's epsilon after every
+step (a line: it has a value at each step), see :mod:`dpkfc_med.report.history`.
+
 Figures are drawn on matplotlib's Agg canvas directly (no ``pyplot``): no global backend is
 switched, no window can open on a head-less node, and nothing leaks between calls. PNGs carry
 no software-version stamp, so re-rendering the same report gives the same bytes.
@@ -75,14 +79,32 @@ def _epsilon_png(report: Mapping[str, Any]) -> bytes:
         return _png(fig)
 
     accountant, eps = privacy["accountant"], privacy["epsilon"]
-    steps, curve = history["step"], _floats(history["epsilon"])
-    if curve:
-        ax.plot(steps, curve, color="C0", label="epsilon spent")
+    steps = history["step"]
+    rdp = _floats(history.get("epsilon_rdp") or [])
+    if rdp and len(rdp) == len(steps) and accountant != "rdp":
+        ax.plot(steps, rdp, color="0.55", lw=1, label="RDP upper bound, after every step")
+    if "epsilon_step" in history:
+        # Exact values at the listed steps only: markers, no line (nothing is interpolated).
+        listed, exact = history["epsilon_step"], _floats(history["epsilon"])
+        if accountant == "rdp" and len(listed) > 60:
+            ax.plot(listed, exact, color="C0", lw=1.5, label="epsilon spent (RDP), every step")
+        elif listed:
+            ax.plot(
+                listed,
+                exact,
+                "o",
+                color="C0",
+                ms=4,
+                label=f"{accountant.upper()}, exact at the listed steps",
+            )
+    elif history["epsilon"]:  # a report from before per-step epsilon: one value per step
+        ax.plot(steps, _floats(history["epsilon"]), color="C0", label="epsilon spent")
     ax.plot(
         [privacy["steps"]],
         [eps[accountant]],
-        "o",
+        "D",
         color="C0",
+        ms=7,
         label=f"final ({accountant.upper()}): {format_epsilon(eps[accountant])}",
     )
     if privacy.get("target_epsilon") is not None:

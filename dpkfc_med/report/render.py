@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dpkfc_med.report.custodian import not_covered_summary
 from dpkfc_med.report.numbers import format_delta, format_epsilon
 from dpkfc_med.report.plots import PLOT_FILES
 
@@ -132,6 +133,15 @@ class Banner:
 
 
 @dataclass(frozen=True)
+class Box:
+    """The plain-language summary: a title and a few paragraphs, boxed (``kind`` sets colour)."""
+
+    title: str
+    paragraphs: Sequence[Inline]
+    kind: Literal["ok", "warning", "danger"] = "ok"
+
+
+@dataclass(frozen=True)
 class Table:
     """A table; ``header`` may be empty for a plain key-value box."""
 
@@ -155,7 +165,7 @@ class Code:
     language: str = ""
 
 
-Block = Heading | Paragraph | Banner | Table | Image | Code
+Block = Heading | Paragraph | Banner | Box | Table | Image | Code
 
 
 def _kv(rows: Sequence[tuple[Inline, Any]]) -> Table:
@@ -241,7 +251,7 @@ def guarantee_sentence(report: Mapping[str, Any]) -> str:
             checks.append(f"{prefix}{name.upper()} cross-check: {format_epsilon(eps[name])}")
     return (
         f"(epsilon, delta) = ({format_epsilon(eps[primary])}, {format_delta(p['delta'])}) for the "
-        f"add/remove-one-{unit} relation, Poisson sampling at rate q = {p['sample_rate']:.6g}, "
+        f"add/remove-one-{unit} relation, Poisson sampling at rate {q_text(report)}, "
         f"{primary.upper()} accountant ({', '.join(checks)})"
     )
 
@@ -353,6 +363,7 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
             "Accountants disagree",
         )
         doc.append(Banner(title, text, "warning" if title == "Accountants disagree" else "danger"))
+    doc.append(plain_summary(report))
     doc += _summary(report)
     doc += _guarantee(report)
     doc += _audit(report)
@@ -367,6 +378,131 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     return doc
 
 
+def plain_summary(report: Mapping[str, Any]) -> Box:
+    """A few sentences for a data-protection officer: who, against what, how much, what not.
+
+    Every statement is read off the report: the privacy unit and their number (``data``), the
+    epsilon, delta, target and accountant (``privacy``), what is not covered (the items of
+    ``privacy.not_covered``, in short), and whether the run is a valid DP release (private,
+    not seeded, preconditioner free of private data, complete).
+    """
+    p, data = report["privacy"], report["data"]
+    unit, n = data["privacy_unit"], data["num_train_units"]
+    head = unit.partition(" (")[0]
+    who = f"Who is protected: each {unit} of the training set ({plural(head, n)})."
+    note = data.get("unit_note")
+    if isinstance(note, Mapping) and note.get("statement"):
+        per = note.get("per_patient")
+        if isinstance(per, Mapping):
+            who += (
+                f" A patient with {per['images_per_patient']} images is protected less, at "
+                f'epsilon {format_epsilon(per["epsilon"])} (group privacy; see "Patients with '
+                'several images" below).'
+            )
+        else:
+            who += (
+                " A patient with several images is protected less (group privacy; see "
+                '"Patients with several images" below).'
+            )
+    if not p["private"]:
+        return Box(
+            "In plain words",
+            [
+                who.replace("Who is protected:", "Who would be protected:"),
+                "Against what: nothing. This model was trained without differential privacy "
+                "(no clipping, no noise); it may reveal information about individual training "
+                f"{plural(head)} and must be handled like the private data itself.",
+                (
+                    Span("Valid DP release: no.", "strong"),
+                    " Do not release this model or anything derived from it as private.",
+                ),
+            ],
+            "danger",
+        )
+    eps, acc = p["epsilon"], p["accountant"]
+    against = (
+        "Against what: anyone who obtains everything this run publishes (the released model, "
+        "this report and its epsilon plot), whatever else they know, can learn only a "
+        f"strictly limited amount about whether any one {head} was in the training set."
+    )
+    spent = (
+        f"How much: epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])} "
+        f"after {plural('noisy training step', p['steps'])} ({acc.upper()} accountant), "
+        f"against a target of epsilon {format_epsilon(p['target_epsilon'])}. A smaller epsilon "
+        "means stronger protection; delta is the small probability allowed for the bound to "
+        "fail."
+    )
+    if format_epsilon(eps["max"]) != format_epsilon(eps[acc]):
+        spent += (
+            f" The most conservative of the three accountants computed gives "
+            f"{format_epsilon(eps['max'])}."
+        )
+    not_covered = (
+        'Not covered (listed in full under "What the guarantee does not cover"): '
+        + "; ".join(not_covered_summary(report))
+        + "."
+    )
+    verdict, kind = _release_verdict(report)
+    return Box(
+        "In plain words",
+        [who, against, spent, not_covered, (Span(verdict[0], "strong"), " " + verdict[1])],
+        kind,
+    )
+
+
+def _release_verdict(
+    report: Mapping[str, Any],
+) -> tuple[tuple[str, str], Literal["ok", "warning", "danger"]]:
+    """Whether the run is a valid DP release, as ``((headline, reason), box kind)``."""
+    p = report["privacy"]
+    if (p.get("randomness") or {}).get("source") == "seeded":
+        return (
+            (
+                "Valid DP release: no.",
+                "The noise was generated from a seed this report publishes "
+                "(privacy.reproducible_noise: true), so it can be replayed: research use only.",
+            ),
+            "danger",
+        )
+    if (report.get("preconditioner") or {}).get("uses_private_data"):
+        return (
+            (
+                "Valid DP release: no.",
+                "The preconditioner was built partly from private training images "
+                "(probes.allow_public_overlap: true), which the guarantee does not cover.",
+            ),
+            "danger",
+        )
+    target, eps = p.get("target_epsilon"), p["epsilon"][p["accountant"]]
+    if target is not None and eps > target:
+        return (
+            (
+                "Valid DP release: not at the target.",
+                f"The run spent epsilon {format_epsilon(eps)}, more than its target "
+                f"{format_epsilon(target)}; only the spent figure holds.",
+            ),
+            "danger",
+        )
+    if report["status"] != "complete":
+        return (
+            (
+                "Valid DP release: not yet.",
+                "The run stopped before its planned steps; the privacy spent so far is as "
+                "stated, but the run is incomplete: continue it with --resume before releasing "
+                "its model.",
+            ),
+            "warning",
+        )
+    return (
+        (
+            "Valid DP release: yes,",
+            "at the (epsilon, delta) above, for the released model and everything this run "
+            "publishes, provided the items that are not covered are handled as described.",
+        ),
+        "ok",
+    )
+
+
 def audit_sentence(report: Mapping[str, Any]) -> str | None:
     """The empirical audit's lower bound next to the accounted epsilon, or ``None``."""
     audit = report.get("audit")
@@ -375,7 +511,7 @@ def audit_sentence(report: Mapping[str, Any]) -> str | None:
     return (
         f"empirical lower bound {format_epsilon(audit['epsilon_lower_bound'])} against the "
         f"accounted {format_epsilon(audit['epsilon_accounted'])} (one-run canary audit, "
-        f"{audit['canaries']} canaries, confidence {audit['confidence']:g})"
+        f"{plural('canary', audit['canaries'])}, confidence {audit['confidence']:g})"
     )
 
 
@@ -437,17 +573,40 @@ def _not_covered(report: Mapping[str, Any]) -> list[Block]:
     return out
 
 
+def _plural_word(word: str) -> str:
+    if word.endswith("s"):
+        return word
+    if len(word) > 1 and word.endswith("y") and word[-2] not in "aeiou":
+        return word[:-1] + "ies"  # canary -> canaries
+    return word + "s"
+
+
 def _steps_text(p: Mapping[str, Any]) -> str:
     planned = f" of {p['planned_steps']} planned" if p["planned_steps"] is not None else ""
-    epochs = f"{p['epochs']:.3g}"
-    return f"{p['steps']}{planned} ({epochs} epoch{'' if epochs == '1' else 's'})"
+    return f"{p['steps']}{planned} ({plural('epoch', float(p['epochs']))})"
 
 
-def plural(unit: str) -> str:
-    """Plural of a privacy-unit phrase: ``"image (MedMNIST)"`` -> ``"images (MedMNIST)"``."""
-    head, sep, tail = unit.partition(" (")
-    words = head.split("/")
-    return "/".join(w if w.endswith("s") else w + "s" for w in words) + sep + tail
+def plural(noun: str, count: float | None = None) -> str:
+    """A noun phrase in the plural, or ``"<count> <noun>"`` in the number that agrees with it.
+
+    Only the head of the phrase is inflected: the part before ``" ("``, each ``/``-separated
+    word of it. Examples: ``plural("image (MedMNIST)") == "images (MedMNIST)"``,
+    ``plural("patient/volume") == "patients/volumes"``, ``plural("epoch", 1) == "1 epoch"``,
+    ``plural("step", 2) == "2 steps"``, ``plural("epoch", 0.5) == "0.5 epochs"``,
+    ``plural("canary", 3) == "3 canaries"``.
+
+    Args:
+        noun: The singular phrase.
+        count: When given, the count to print before it (integers in full, other numbers to
+            three significant digits); the phrase is singular exactly when the count prints
+            as ``1``.
+    """
+    head, sep, tail = noun.partition(" (")
+    many = "/".join(_plural_word(w) for w in head.split("/")) + sep + tail
+    if count is None:
+        return many
+    text = str(count) if isinstance(count, int) else f"{count:.3g}"
+    return f"{text} {noun if text == '1' else many}"
 
 
 def _summary(report: Mapping[str, Any]) -> list[Block]:
@@ -467,8 +626,8 @@ def _summary(report: Mapping[str, Any]) -> list[Block]:
         ("Private data used for the preconditioner", preconditioner_statement(report)),
         (
             "Privacy unit",
-            f"{data['privacy_unit']} ({data['num_train_units']} units in the training set, at "
-            f"most {_samples(data['max_samples_per_unit'])} each)",
+            f"{data['privacy_unit']} ({plural('unit', data['num_train_units'])} in the training "
+            f"set, at most {_samples(data['max_samples_per_unit'])} each)",
         ),
         ("Steps", _steps_text(p)),
         ("Task", f"{task['kind']}, {task['spatial_dims']}D, {task['num_classes']} classes{names}"),
@@ -507,7 +666,7 @@ def _guarantee(report: Mapping[str, Any]) -> list[Block]:
         rows.append(("epsilon, most conservative of the three", format_epsilon(eps["max"])))
         rows.append(("Target epsilon", format_epsilon(p["target_epsilon"])))
     rows += [
-        ("Sampling", _sampling(p)),
+        ("Sampling", _sampling(report)),
         ("Noise and sampling randomness", _randomness(p)),
     ]
     out.append(_kv(rows))
@@ -552,16 +711,52 @@ def _randomness(p: Mapping[str, Any]) -> str:
 def _samples(n: int | None) -> str:
     if n is None:  # patient units: the most images one patient has is a private statistic
         return "any number of samples"
-    return "1 sample" if n == 1 else f"{n} samples"
+    return plural("sample", n)
 
 
-def _sampling(p: Mapping[str, Any]) -> str:
+def q_text(report: Mapping[str, Any]) -> str:
+    """The sample rate with its one definition, e.g. ``"q = 1/ceil(N/B) = 1/19 = 0.0526316"``.
+
+    ``q = 1/ceil(N/B)`` (``N`` training units, ``B`` = ``training.batch_size``): the number of
+    batches of an epoch is ``ceil(N/B)`` and each unit joins each batch with probability ``q``,
+    so the expected batch is ``q N`` (:func:`expected_batch_text`), not ``B``.
+    """
+    p = report["privacy"]
+    if p["sample_rate"] is None:
+        return "n/a"
+    q = f"{p['sample_rate']:.6g}"
+    if p.get("steps_per_epoch") is None:  # a report from before these fields were recorded
+        return f"q = {q}"
+    return f"q = 1/ceil(N/B) = 1/{p['steps_per_epoch']} = {q}"
+
+
+def expected_batch_text(report: Mapping[str, Any]) -> str:
+    """The expected batch with its definition, e.g. ``"248 (q N = 247.79, rounded)"``."""
+    p, n = report["privacy"], report["data"]["num_train_units"]
+    if p["expected_batch_size"] is None:
+        return "n/a"
+    if p["sample_rate"] is None or not isinstance(n, int):
+        return str(p["expected_batch_size"])
+    mean = p["sample_rate"] * n
+    if abs(mean - round(mean)) < 1e-9:
+        return f"{p['expected_batch_size']} (q N)"
+    return f"{p['expected_batch_size']} (q N = {mean:.5g}, rounded)"
+
+
+def _sampling(report: Mapping[str, Any]) -> str:
+    p = report["privacy"]
     if p["sampler"] is None:
         return "n/a"
+    sizes = ""
+    if p.get("batch_size") is not None:
+        sizes = (
+            f", N = {report['data']['num_train_units']} units, B = {p['batch_size']} "
+            "(training.batch_size)"
+        )
     return (
         f"{p['sampler'].capitalize()} sampling: each unit joins each batch independently "
-        f"with probability q = {p['sample_rate']:.6g} "
-        f"(expected batch size {p['expected_batch_size']})"
+        f"with probability {q_text(report)}{sizes}; expected batch size "
+        f"{expected_batch_text(report)}"
     )
 
 
@@ -573,8 +768,9 @@ def _mechanism(report: Mapping[str, Any]) -> list[Block]:
         ("Method", p["method"]),
         ("Private", p["private"]),
         ("Sampler", p["sampler"]),
-        ("Sample rate q", None if p["sample_rate"] is None else f"{p['sample_rate']:.6g}"),
-        ("Expected batch size", p["expected_batch_size"]),
+        ("Sample rate q", None if p["sample_rate"] is None else q_text(report)),
+        ("Batch size setting B (training.batch_size)", p.get("batch_size")),
+        ("Expected batch size", None if p["sampler"] is None else expected_batch_text(report)),
         ("Noise multiplier sigma", None if sigma is None else f"{sigma:.6g}"),
         ("Clipping bound C (max_grad_norm)", None if clip is None else f"{clip:.6g}"),
         (
@@ -620,7 +816,9 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
         ]
     refresh = pre["refresh_every"]
     schedule = (
-        f"built at step 0, then every {refresh} steps" if refresh else "built once, at step 0"
+        f"built at step 0, then every {plural('step', refresh)}"
+        if refresh
+        else "built once, at step 0"
     )
     plan = pre.get("refresh_plan") or {}
     if plan.get("rule") == "auto":
@@ -744,7 +942,37 @@ def _curves(report: Mapping[str, Any]) -> list[Block]:
     if report["training"]:
         out.append(_mapping_table(report["training"], "Setting"))
     out.append(Image("epsilon", "Privacy spent (epsilon) against training step"))
-    return out
+    return out + _epsilon_history(report)
+
+
+def _epsilon_history(report: Mapping[str, Any]) -> list[Block]:
+    """Which steps the epsilon history lists, and its exact values (rounded up)."""
+    p, history = report["privacy"], report["history"]
+    if not p["private"] or "epsilon_step" not in history:
+        return []
+    acc = p["accountant"]
+    listed, values = history["epsilon_step"], history["epsilon"]
+    rdp = history.get("epsilon_rdp") or []
+    rdp_at = dict(zip(history["step"], rdp)) if len(rdp) == len(history["step"]) else {}
+    schedule = history.get("epsilon_schedule") or "the steps in the table"
+    text = (
+        f"The {acc.upper()} epsilon (the stated accountant) is listed exactly at "
+        f"{schedule}: {plural('value', len(listed))}, each computed from the privacy ledger "
+        "as it stood after that step; nothing is interpolated between them."
+    )
+    if acc != "rdp" and rdp_at:
+        text += (
+            " The RDP accountant's epsilon, an upper bound that is cheap to compute, is given "
+            "after every step (history.epsilon_rdp in the JSON report; the grey line of the "
+            "figure) and is what the progress bar shows during training."
+        )
+    records = []
+    for step, value in zip(listed, values):
+        row: dict[str, Any] = {"step": step, f"epsilon ({acc.upper()})": format_epsilon(value)}
+        if acc != "rdp" and rdp_at:
+            row["epsilon (RDP upper bound)"] = format_epsilon(rdp_at.get(step))
+        records.append(row)
+    return [Heading(3, "Epsilon history"), Paragraph(text), _records_table(records)]
 
 
 def _diagnostics(report: Mapping[str, Any]) -> list[Block]:
@@ -860,6 +1088,9 @@ def _md_block(block: Block) -> str:
         return _md_inline(block.content)
     if isinstance(block, Banner):
         return f"> **{block.title}:** {block.text}"
+    if isinstance(block, Box):
+        paragraphs = [f"> {_md_inline(par)}" for par in block.paragraphs]
+        return f"> ### {block.title}\n>\n" + "\n>\n".join(paragraphs)
     if isinstance(block, Table):
         header = [_md_inline(h, True) for h in block.header] or [""] * len(block.rows[0])
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -884,19 +1115,53 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- HTML
 _CSS = """
-body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem;
-       color: #222; line-height: 1.45; }
-table { border-collapse: collapse; margin: 0.6rem 0 1rem; }
-th, td { border: 1px solid #bbb; padding: 0.25rem 0.5rem; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; }
-code { font-size: 0.9em; word-break: break-all; }
-pre { background: #f6f6f6; padding: 0.8rem; overflow-x: auto; }
-.banner { border: 2px solid; padding: 0.6rem 0.9rem; margin: 1rem 0; }
-.banner-danger { border-color: #b00020; background: #fde7ea; }
-.banner-warning { border-color: #b36b00; background: #fff3dc; }
-.banner-note { border-color: #555; background: #f3f3f3; }
-figure { margin: 1rem 0; } figure img { max-width: 100%; }
-figcaption { font-size: 0.9em; color: #555; }
+:root { --ink: #1f2328; --muted: #59636e; --rule: #d1d9e0; --head: #f2f5f8; --zebra: #f8fafc;
+        --ok: #1a7f37; --ok-bg: #eef8f0; --warn: #9a6700; --warn-bg: #fff8e5;
+        --danger: #b3261e; --danger-bg: #fdeceb; --note: #59636e; --note-bg: #f4f5f7; }
+* { box-sizing: border-box; }
+html { font-size: 16px; -webkit-text-size-adjust: 100%; }
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
+         sans-serif;
+       color: var(--ink); background: #fff; line-height: 1.55; margin: 0; }
+main { max-width: 52rem; margin: 0 auto; padding: 2.5rem 1.25rem 4rem; }
+h1 { font-size: 1.9rem; line-height: 1.25; margin: 0 0 1.25rem; }
+h2 { font-size: 1.35rem; margin: 2.4rem 0 0.8rem; padding-bottom: 0.3rem;
+     border-bottom: 1px solid var(--rule); }
+h3 { font-size: 1.08rem; margin: 1.6rem 0 0.5rem; }
+p { margin: 0.6rem 0; max-width: 46rem; }
+code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 0.86em;
+       background: var(--head); padding: 0.05rem 0.3rem; border-radius: 4px;
+       overflow-wrap: anywhere; }
+pre { background: var(--zebra); border: 1px solid var(--rule); border-radius: 6px;
+      padding: 0.9rem 1rem; overflow-x: auto; font-size: 0.85rem; line-height: 1.45; }
+pre code { background: none; padding: 0; }
+.table-wrap { overflow-x: auto; margin: 0.7rem 0 1.2rem; }
+table { border-collapse: collapse; width: 100%; font-size: 0.92rem; }
+th, td { border: 1px solid var(--rule); padding: 0.4rem 0.65rem; text-align: left;
+         vertical-align: top; }
+thead th { background: var(--head); font-weight: 600; white-space: nowrap; }
+tbody tr:nth-child(even) td { background: var(--zebra); }
+table.kv td:first-child { width: 34%; font-weight: 600; color: #32383f; }
+.summary { border: 1px solid; border-left-width: 6px; border-radius: 8px; padding: 0.4rem 1.3rem;
+           margin: 1.2rem 0 2rem; font-size: 1.02rem; }
+.summary h2 { border: none; margin: 0.7rem 0 0.4rem; padding: 0; font-size: 1.2rem; }
+.summary p { margin: 0.55rem 0; }
+.summary-ok { border-color: var(--ok); background: var(--ok-bg); }
+.summary-warning { border-color: var(--warn); background: var(--warn-bg); }
+.summary-danger { border-color: var(--danger); background: var(--danger-bg); }
+.banner { border: 1px solid; border-left-width: 6px; border-radius: 6px; padding: 0.7rem 1rem;
+          margin: 1rem 0; }
+.banner-danger { border-color: var(--danger); background: var(--danger-bg); }
+.banner-warning { border-color: var(--warn); background: var(--warn-bg); }
+.banner-note { border-color: var(--note); background: var(--note-bg); }
+figure { margin: 1.2rem 0; text-align: center; }
+figure img { max-width: 100%; height: auto; border: 1px solid var(--rule); border-radius: 6px; }
+figcaption { font-size: 0.88rem; color: var(--muted); margin-top: 0.4rem; }
+@media print {
+  main { max-width: none; padding: 0; }
+  h2 { break-after: avoid; }
+  table, figure, .summary, .banner { break-inside: avoid; }
+}
 """
 
 
@@ -919,13 +1184,23 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
             f'<div class="banner banner-{block.kind}"><strong>{html.escape(block.title)}:</strong> '
             f"{html.escape(block.text)}</div>"
         )
+    if isinstance(block, Box):
+        paragraphs = "".join(f"<p>{_html_inline(par)}</p>" for par in block.paragraphs)
+        return (
+            f'<section class="summary summary-{block.kind}">'
+            f"<h2>{html.escape(block.title)}</h2>{paragraphs}</section>"
+        )
     if isinstance(block, Table):
         head = "".join(f"<th>{_html_inline(h)}</th>" for h in block.header)
         body = "".join(
             "<tr>" + "".join(f"<td>{_html_inline(c)}</td>" for c in row) + "</tr>"
             for row in block.rows
         )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        kind = ' class="kv"' if len(block.header) == 2 else ""
+        return (
+            f'<div class="table-wrap"><table{kind}><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table></div>"
+        )
     if isinstance(block, Image):
         caption = html.escape(block.caption)
         png = plots.get(block.key)
@@ -953,5 +1228,7 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, bytes]) -> str:
     body = "\n".join(_html_block(b, plots) for b in build_document(report))
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n<main>\n{body}\n"
+        "</main>\n</body>\n</html>\n"
     )

@@ -20,7 +20,10 @@ Layout (version 1; keys not listed are allowed and kept)::
     preconditioner: null | {uses_private_data, external_data, probe_source, refresh_every,
                             refreshes, covered_layers, config, coverage}
     training: {...}
-    history: {step, epsilon, val_metric_name}
+    history: {step, epsilon, val_metric_name; epsilon_step, epsilon_rdp, epsilon_accountant,
+              epsilon_schedule}  epsilon[i] is the stated accountant's epsilon after
+              epsilon_step[i] steps (without epsilon_step: after step[i]); epsilon_rdp the RDP
+              epsilon after every step (dpkfc_med.report.history)
     custodian: {path, report, items, note}   what is kept in the custodian report instead
     audit: optional {epsilon_lower_bound, epsilon_accounted, delta, canaries, confidence, ...}
     environment: {python, packages, git, ...}
@@ -513,23 +516,78 @@ def _check_preconditioner(report: Mapping[str, Any], problems: list[str]) -> Non
         )
 
 
-def _check_history(history: Any, private: bool, problems: list[str]) -> None:
+def _check_history(history: Any, privacy: Any, problems: list[str]) -> None:
     _HISTORY(history, "history", problems)
     if not isinstance(history, Mapping):
         return
+    private = not (isinstance(privacy, Mapping) and privacy.get("private") is False)
 
     def length(key: str) -> int | None:
         value = history.get(key)
         return len(value) if isinstance(value, (list, tuple)) else None
 
-    steps = length("step")
-    for key in ("epsilon",):
-        n = length(key)
-        if steps is not None and n is not None and n != steps and not (key == "epsilon" and n == 0):
-            allowed = "the length of history.step" + (" or be empty" if key == "epsilon" else "")
-            problems.append(f"history.{key}: must have {allowed} ({steps}), has {n}")
-    if not private and length("epsilon"):
-        problems.append("history.epsilon: must be empty for a non-private run")
+    steps, n_eps = length("step"), length("epsilon")
+    if "epsilon_step" in history:
+        # epsilon[i] is the stated accountant's epsilon after epsilon_step[i] steps.
+        listed = history["epsilon_step"]
+        _list_of(_integer(1), "a list of integers >= 1")(listed, "history.epsilon_step", problems)
+        n_listed = length("epsilon_step")
+        if n_listed is not None and n_eps is not None and n_eps != n_listed:
+            problems.append(
+                f"history.epsilon: must have the length of history.epsilon_step ({n_listed}), "
+                f"has {n_eps}"
+            )
+        if isinstance(listed, (list, tuple)) and all(_is_int(v) for v in listed):
+            if any(b <= a for a, b in zip(listed, listed[1:])):
+                problems.append("history.epsilon_step: must be strictly increasing")
+            _check_history_ends_at_the_report(history, privacy, problems)
+    elif steps is not None and n_eps is not None and n_eps not in (steps, 0):
+        problems.append(
+            f"history.epsilon: must have the length of history.step or be empty ({steps}), "
+            f"has {n_eps}"
+        )
+    if "epsilon_rdp" in history:
+        _list_of(_curve_value, "a list of numbers")(
+            history["epsilon_rdp"], "history.epsilon_rdp", problems
+        )
+        n_rdp = length("epsilon_rdp")
+        if steps is not None and n_rdp is not None and n_rdp not in (steps, 0):
+            problems.append(
+                f"history.epsilon_rdp: must have the length of history.step or be empty "
+                f"({steps}), has {n_rdp}"
+            )
+    if not private:
+        for key in ("epsilon", "epsilon_step", "epsilon_rdp"):
+            if length(key):
+                problems.append(f"history.{key}: must be empty for a non-private run")
+
+
+def _check_history_ends_at_the_report(
+    history: Mapping[str, Any], privacy: Any, problems: list[str]
+) -> None:
+    """A private history's last listed step and value are the report's steps and epsilon."""
+    if not isinstance(privacy, Mapping) or privacy.get("private") is False:
+        return
+    listed, values = history.get("epsilon_step") or [], history.get("epsilon") or []
+    total, eps = privacy.get("steps"), privacy.get("epsilon")
+    accountant = privacy.get("accountant")
+    if isinstance(total, int) and total > 0 and (not listed or listed[-1] != total):
+        problems.append(
+            f"history.epsilon_step: must end at privacy.steps ({total}), the last step taken, "
+            f"got {listed[-1] if listed else 'an empty list'}"
+        )
+    final = eps.get(accountant) if isinstance(eps, Mapping) else None
+    if (
+        _is_number(final)
+        and values
+        and len(values) == len(listed)
+        and _is_number(values[-1])
+        and values[-1] != final
+    ):
+        problems.append(
+            f"history.epsilon: the last value ({values[-1]!r}) must be privacy.epsilon."
+            f"{accountant} ({final!r}), the epsilon of all {total} steps"
+        )
 
 
 def _check_task(task: Any, problems: list[str]) -> None:
@@ -572,8 +630,6 @@ def validate_report(report: Any) -> list[str]:
     data, problems = to_json_data(report)
     if not isinstance(data, Mapping):
         return [f"<report>: must be a mapping, got {_kind(data)}"]
-    privacy = data.get("privacy")
-    private = not (isinstance(privacy, Mapping) and privacy.get("private") is False)
     # Walked in layout order so that the problem list reads like the report.
     sections: list[tuple[str, Callable[[Any], None]]] = [
         ("schema", lambda v: _schema_id(v, "schema", problems)),
@@ -586,7 +642,7 @@ def validate_report(report: Any) -> list[str]:
         ("privacy", lambda v: _check_privacy(v, problems)),
         ("preconditioner", lambda v: _check_preconditioner(data, problems)),
         ("training", lambda v: _mapping(v, "training", problems)),
-        ("history", lambda v: _check_history(v, private, problems)),
+        ("history", lambda v: _check_history(v, data.get("privacy"), problems)),
         ("custodian", lambda v: _CUSTODIAN(v, "custodian", problems)),
         ("environment", lambda v: _ENVIRONMENT(v, "environment", problems)),
     ]

@@ -29,6 +29,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,11 +49,13 @@ from dpkfc_med.models import (
     make_private_compatible,
     validate_private_compatible,
 )
-from dpkfc_med.privacy.accounting import PrivacyLedger
+from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, rdp_epsilon
 from dpkfc_med.privacy.adambc import DPAdamBC, noise_variance_of
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.history import epsilon_history, epsilon_rule, on_epsilon_grid
 from dpkfc_med.report.numbers import format_epsilon
+from dpkfc_med.report.render import plural
 from dpkfc_med.training.config import ConfigError, Method, RunConfig, config_from_dict
 from dpkfc_med.training.plan import (
     PlanError,
@@ -173,14 +176,14 @@ class _Run:
         self.cfg, self.task, self.run_dir, self.device = cfg, task, run_dir, device
         self.history: dict[str, list[Any]] = {
             "step": [],
-            "epsilon": [],
+            "epsilon_step": [],  # steps whose exact epsilon the report lists (report.history)
             "loss": [],
             "val_epoch": [],
             "val_metric": [],
             "val_metric_name": task.selection_metric,  # type: ignore[dict-item]
         }
         self.diag: list[dict[str, Any]] = []
-        self.eps_shown = 0.0
+        self.bar_epsilon: dict[str, str] = {}  # the progress bar's epsilon fields
         self.epoch = 0
         self.best: dict[str, Any] = {"epoch": -1, "metric": -math.inf, "state": None}
         self.ema: WeightAverage | None = None
@@ -237,6 +240,7 @@ def train(
     run_dir = cfg.run_dir()
     opening = _open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)
     plan = opening.plan
+    _check_output_dir(run_dir)
     # ---------------------------------------------------------------- 2. start the run
     _start_run_files(cfg, task, run_dir, opening)
     _setup_logging(run_dir)
@@ -391,7 +395,8 @@ def _spent_text(run_dir: Path) -> str:
     if ledger.steps == 0:
         return "no noisy step taken yet"
     eps = ledger.epsilon()
-    return f"{ledger.steps} noisy steps already spent, epsilon {format_epsilon(eps)} (PRV)"
+    spent = plural("noisy step", ledger.steps)
+    return f"{spent} already spent, epsilon {format_epsilon(eps)} (PRV)"
 
 
 def _open_run(
@@ -501,6 +506,41 @@ def _plans(run_dir: Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text()).get("plans", []))
 
 
+def _check_output_dir(run_dir: Path) -> None:
+    """Refuse an output directory the run cannot write, before anything is written.
+
+    Creates ``run_dir`` (and missing parents) and writes and removes one probe file; on failure
+    removes the folders it created and raises, so a refused run leaves nothing behind.
+
+    Raises:
+        ConfigError: naming ``output.dir`` / ``--out``, the directory, the operating system's
+            reason and the fix.
+    """
+    created: list[Path] = []
+    node = run_dir
+    while not node.exists() and node != node.parent:
+        created.append(node)
+        node = node.parent
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=run_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        for folder in created:  # deepest first; only the empty folders made here
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        reason = err.strerror or type(err).__name__
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(run_dir) else ""
+        raise ConfigError(
+            [
+                f"output.dir: cannot write the run directory {run_dir}: {reason}{where}; "
+                "choose a writable folder with --out (or output.dir in the config), or make "
+                "this one writable (e.g. chmod u+w on it or its parent); nothing was written"
+            ]
+        ) from None
+
+
 def _start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: _Opening) -> None:
     """Mark the run incomplete and append (never overwrite) its config and plan history."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -561,7 +601,8 @@ def _stopped_message(cfg: RunConfig, state: _Run, engine: PrivacyEngine | None, 
         )
     eps = engine.ledger.epsilon()
     return (
-        f"{how}: {engine.ledger.steps} noisy steps spent, epsilon {format_epsilon(eps)} of the "
+        f"{how}: {plural('noisy step', engine.ledger.steps)} spent, epsilon "
+        f"{format_epsilon(eps)} of the "
         f"target {cfg.privacy.target_epsilon:g} (PRV; {out / LEDGER}). The run is marked "
         f"incomplete and keeps its budget: continue it with `dpkfc-med train CONFIG --resume "
         f"--out {out}`. Starting it again elsewhere spends a new budget on the same data."
@@ -615,7 +656,11 @@ def _train_epoch(
         dynamic_ncols=True,
     )
     t0, seen = time.perf_counter(), 0
-    for batch in bar:
+    try:  # batches of a Poisson epoch (1/q); the last one also lists its epsilon
+        batches: int | None = len(loader)
+    except TypeError:
+        batches = None
+    for index, batch in enumerate(bar):
         if engine is not None and popt.max_steps is not None and popt.steps_taken >= popt.max_steps:
             break
         x, y, units = task.unpack(batch)
@@ -647,8 +692,10 @@ def _train_epoch(
         state.history["loss"].append(loss_value)
         if engine is not None and popt.last_diagnostics.batch_units:
             state.diag.append(popt.last_diagnostics.as_dict())
+        if engine is not None:
+            _track_epsilon(state, engine, epoch_end=index + 1 == batches)
         rate = seen / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix(loss=f"{loss_value:.3f}", eps=f"{state.eps_shown:.2f}", img_s=f"{rate:.0f}")
+        bar.set_postfix(loss=f"{loss_value:.3f}", **state.bar_epsilon, img_s=f"{rate:.0f}")
     _fill_epsilon(state, engine)
     log.info("epoch %d done: %d samples, %.1f s", state.epoch + 1, seen, time.perf_counter() - t0)
 
@@ -691,19 +738,39 @@ def noise_only_step(popt: Any) -> None:
     popt.step()
 
 
-def _fill_epsilon(state: _Run, engine: PrivacyEngine | None) -> None:
-    """Epsilon history for the steps of the epoch just run.
+def _track_epsilon(state: _Run, engine: PrivacyEngine, *, epoch_end: bool = False) -> None:
+    """After every noisy step: refresh the progress bar's epsilon and list grid steps.
 
-    Accountants cost up to seconds per call, so epsilon is computed once per epoch, and each
-    step of the epoch is given the value at the epoch's end: an upper bound on what had been
-    spent after that step (epsilon grows with the steps), never an under-statement.
+    The bar shows ``eps_rdp``, the RDP accountant's epsilon after this very step (an upper bound
+    on what was spent, cheap to compute), and -- when the stated accountant is another one --
+    its exact value at the latest listed step, e.g. ``eps_prv=0.319@16``: fresh values after
+    every step, none of them below what was spent at the step it names.
     """
-    if engine is None:
+    ledger = engine.ledger
+    assert ledger is not None
+    state.bar_epsilon["eps_rdp"] = format_epsilon(rdp_epsilon(ledger.events, ledger.delta))
+    if epoch_end or on_epsilon_grid(ledger.steps, epsilon_rule(engine.accountant)):
+        _list_epsilon(state, engine)
+
+
+def _list_epsilon(state: _Run, engine: PrivacyEngine) -> None:
+    """Add the current step to the epsilon history (exact value of the stated accountant)."""
+    ledger = engine.ledger
+    assert ledger is not None
+    steps = state.history["epsilon_step"]
+    if ledger.steps == 0 or (steps and steps[-1] >= ledger.steps):
         return
-    eps = engine.get_epsilon()
-    missing = len(state.history["step"]) - len(state.history["epsilon"])
-    state.history["epsilon"].extend([eps] * missing)
-    state.eps_shown = eps
+    steps.append(ledger.steps)
+    eps = engine.get_epsilon()  # cached: the report asks again for this very ledger prefix
+    if engine.accountant is not Accountant.RDP:
+        name = engine.accountant.value
+        state.bar_epsilon[f"eps_{name}"] = f"{format_epsilon(eps)}@{ledger.steps}"
+
+
+def _fill_epsilon(state: _Run, engine: PrivacyEngine | None) -> None:
+    """List the last step taken in the epsilon history (end of an epoch, or a stop)."""
+    if engine is not None:
+        _list_epsilon(state, engine)
 
 
 def _checkpoint(
@@ -756,6 +823,11 @@ def _restore(
     opt.load_state_dict(ck["optimizer"])
     state.epoch = int(ck["epoch"])
     state.history, state.diag, state.best = ck["history"], ck["diag"], ck["best"]
+    if "epsilon_step" not in state.history:  # a checkpoint from before per-step epsilon
+        old = state.history.pop("epsilon", [])
+        state.history["epsilon_step"] = [
+            s for s in state.history["step"][: len(old)] if on_epsilon_grid(s, "geometric")
+        ]
     state.pretrain = ck.get("pretrain")
     if state.ema is not None and ck.get("ema") is not None:
         state.ema.load_state_dict(ck["ema"])
@@ -875,6 +947,17 @@ def _diag_summary(diag: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
+def _history(state: _Run, engine: PrivacyEngine | None) -> dict[str, Any]:
+    """The run's history, its epsilon curves rebuilt from the ledger (report.history)."""
+    history = {k: v for k, v in state.history.items() if k != "epsilon_step"}
+    if engine is None or engine.ledger is None:
+        return {**history, "epsilon": [], "epsilon_step": [], "epsilon_rdp": []}
+    curves = epsilon_history(
+        engine.ledger, state.history["step"], state.history["epsilon_step"], engine.accountant
+    )
+    return {**history, **curves}
+
+
 def build_report(
     state: _Run,
     model: nn.Module,
@@ -957,7 +1040,10 @@ def build_report(
                 "epsilon": eps,
                 "delta": ledger.delta,
                 "sampler": "poisson",
+                # One definition everywhere: q = 1/ceil(N/B), expected batch round(q N).
                 "sample_rate": engine.sample_rate,
+                "batch_size": min(cfg.training.batch_size, n_units),
+                "steps_per_epoch": math.ceil(n_units / min(cfg.training.batch_size, n_units)),
                 "expected_batch_size": ledger.meta.get("expected_batch_size"),
                 "noise_multiplier": min(sigmas),
                 "noise_multipliers": sorted(set(sigmas)),
@@ -1060,11 +1146,11 @@ def build_report(
                 }
             ),
             "epochs_planned": cfg.training.epochs,
-            "expected_batch_size": cfg.training.batch_size,
+            "batch_size": cfg.training.batch_size,  # B; the expected batch is privacy's q N
             "selected_epoch": state.best["epoch"],
             "model_selection": f"best validation {task.selection_metric} over epochs",
         },
-        "history": {k: v for k, v in state.history.items()},
+        "history": _history(state, engine),
         "metrics": {"val": metrics.get("val"), "test": metrics.get("test")},
         "diagnostics": _diag_summary(state.diag),
         "environment": collect_environment(Path(__file__).resolve().parents[2]),
