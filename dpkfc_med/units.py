@@ -202,14 +202,15 @@ def unit_note_for(
         eps_k = f"{k} eps" if k > 1 else "eps"
         statement = (
             f"The privacy unit is one image, but {flag} holds {k} images per {group} "
-            f"({entry['images']:,} images of {entry['patients']:,} {group}s). A {group} is "
+            f"({entry['images']:,} images of {entry['patients']:,} {_plural(group)}). A {group} is "
             f"protected only by group privacy with k = {k}: ({eps_k}, {k} e^({k - 1} eps) "
             f"delta) where the report states (eps, delta) per image; {fix}."
         )
     else:
         statement = (
             f"The privacy unit is one image, but {flag} holds several images per {group} "
-            f"({entry['images']:,} images of {entry['patients']:,} {group}s, {mean} on average; "
+            f"({entry['images']:,} images of {entry['patients']:,} {_plural(group)}, "
+            f"{mean} on average; "
             f"the maximum is not stated). A {group} with k images is protected only at "
             f"(k eps, k e^((k-1) eps) delta) where the report states (eps, delta) per image; "
             f"{fix}."
@@ -226,3 +227,9 @@ def unit_note_for(
         "quote": entry["quote"],
         "statement": statement,
     }
+
+
+def _plural(group: str) -> str:
+    """``"patient"`` -> ``"patients"``; ``"model (one scan)"`` -> ``"models (one scan)"``."""
+    head, sep, rest = group.partition(" (")
+    return f"{head}s{sep}{rest}"

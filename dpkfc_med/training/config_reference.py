@@ -75,8 +75,8 @@ _FIELD_DOCS = {
     "model.kwargs": "overrides of the MONAI constructor arguments of the registered network.",
     "training.epochs": "planned epochs; the planned steps are `epochs * ceil(N / batch_size)`.",
     "training.batch_size": (
-        "expected batch size `B` (expected units per Poisson-sampled batch); sets the sample "
-        "rate `q = 1 / ceil(N / B)`."
+        "batch size `B`: sets the Poisson sample rate `q = 1 / ceil(N / B)`; the expected "
+        "batch (units per sampled batch) is `q N`."
     ),
     "training.lr": "learning rate of the base optimizer.",
     "training.momentum": "momentum of `sgd`.",
