@@ -7,7 +7,14 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+# notebooks that test a claim: they open with what they test and close with what they found
+CLAIM_NOTEBOOKS = ("01_probe_spectra", "02_synthetic_vs_oracle", "03_snr_per_layer")
+
+
+def _figures() -> dict[str, float]:
+    return {p.name: p.stat().st_mtime for p in NOTEBOOK_DIR.glob("*.png")}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -15,6 +22,7 @@ def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("DPKFC_NB_TOY", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
+    before = _figures()
     NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
@@ -26,4 +34,18 @@ def test_notebook_runs(path, monkeypatch):
         if o.output_type == "error"
     ]
     assert not errors
+    # toy runs never overwrite the figures saved by full-size runs
+    assert _figures() == before
     assert len(NOTEBOOKS) >= 1 and os.environ["DPKFC_NB_TOY"] == "1"
+
+
+@pytest.mark.parametrize("stem", CLAIM_NOTEBOOKS)
+def test_claim_notebooks_state_what_they_test_and_found(stem):
+    path = NOTEBOOK_DIR / f"{stem}.ipynb"
+    assert path.is_file(), f"{path} is missing"
+    nb = nbformat.read(path, as_version=4)
+    first, last = nb.cells[0], nb.cells[-1]
+    assert first.cell_type == "markdown" and "What this tests" in first.source
+    assert last.cell_type == "markdown" and "What it found" in last.source
+    assert "FINDINGS" not in last.source  # the closing text is written from a full-size run
+    assert any(ch.isdigit() for ch in last.source.split("What it found", 1)[1])
