@@ -853,6 +853,17 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
     else:
         out.append(Paragraph("No refresh was recorded."))
     out.append(Heading(3, "Covered layers"))
+    shares = pre.get("coverage_shares")
+    if shares and shares.get("trainable"):
+        out.append(
+            Paragraph(
+                f"Of {shares['trainable']:,} trainable parameters, "
+                f"{100 * shares['full_block']:.1f} % have a full block of the family, "
+                f"{100 * shares['diagonal_block']:.1f} % a block whose activation factor is "
+                f"only diagonal (wider than max_factor_dim), and "
+                f"{100 * shares['fallback']:.1f} % the fallback rule."
+            )
+        )
     if pre["coverage"]:
         out.append(
             _records_table(

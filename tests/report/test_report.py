@@ -684,3 +684,16 @@ def test_unit_plurals_and_epoch_counts_read_as_english():
         _steps_text({"steps": 3, "planned_steps": 3, "epochs": 1.0}) == "3 of 3 planned (1 epoch)"
     )
     assert _steps_text({"steps": 6, "planned_steps": None, "epochs": 2.0}) == "6 (2 epochs)"
+
+
+def test_coverage_shares_are_stated_under_the_covered_layers():
+    from dpkfc_med.curvature.preconditioner import coverage_shares
+
+    report = example_report()
+    rows = report["preconditioner"]["coverage"]
+    report["preconditioner"]["coverage_shares"] = coverage_shares(rows)
+    assert validate_report(report) == []
+    md = render_markdown(report)
+    total = sum(r["params"] for r in rows)
+    assert f"Of {total:,} trainable parameters, " in md
+    assert "% the fallback rule." in md.split("### Covered layers")[1]
