@@ -36,13 +36,14 @@ DESCRIPTIONS = {
     "accuracy_pneumonia_cnn_eps8": "PneumoniaMNIST, small CNN, epsilon 8.",
     "accuracy_pneumonia_cnn_long": "PneumoniaMNIST, small CNN, epsilon 1 with 20 epochs instead of 10.",
     "accuracy_pneumonia_densenet": "PneumoniaMNIST, MONAI DenseNet (two dense blocks, GroupNorm), epsilon 1, 2 and 8.",
-    "accuracy_pneumonia_vit": "PneumoniaMNIST, MONAI ViT (patch 4, 4 layers).",
+    "accuracy_pneumonia_vit": "PneumoniaMNIST, MONAI ViT (patch 4, 4 layers), Adam for every method, epsilon 1 and 8; per-layer evidence.",
     "accuracy_adrenal3d_cnn": "AdrenalMNIST3D (28^3 volumes), 3D small CNN, epsilon 8.",
     "segmentation_hippocampus": "MSD hippocampus, MONAI 3D UNet, one patient = one unit, epsilon 8, 3 and 1; per-layer evidence, tuning runs and the lever study.",
     "audit_pneumonia_cnn": "One-run empirical lower bound on epsilon (5000 canaries) for the demo config.",
     "cost_cpu": "Step time, peak memory and refresh share against Opacus on 2 CPU cores, default settings.",
     "cost_cpu_conv_a_kron": "The same with the structured convolution factor (`preconditioner.conv_a: kron`).",
     "cost_cpu_densenet121_rank_a64": "DenseNet121 alone with the low-rank A factor (`rank_a: 64`).",
+    "cost_cpu_transformers": "MONAI ViT (PneumoniaMNIST size) and UNETR (hippocampus crop) against Opacus, one CPU thread.",
     "cost_cpu_quick": "The quick mode (small batches and inputs) used as a smoke test.",
 }
 
