@@ -28,7 +28,7 @@ def cost():
 def fast_build(cost, monkeypatch):
     """Build the small CNN with the script's own builder (skips importing MONAI: faster)."""
 
-    def build(case, seed):
+    def build(case, seed, shape=None):
         torch.manual_seed(seed)
         return cost._fallback_build(case), "fallback"
 
