@@ -20,14 +20,13 @@ PNEUMONIA = Path(SHARED_DATA) / "medmnist" / "pneumoniamnist.npz"
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    if not PNEUMONIA.is_file():
-        pytest.skip(f"{PNEUMONIA} not available")
+    assert PNEUMONIA.is_file(), f"no bundled PneumoniaMNIST at {PNEUMONIA} (set DPKFC_MED_DATA)"
     from dpkfc_med.training.config import load_config
     from dpkfc_med.training.loop import train
 
     out = tmp_path_factory.mktemp("diag") / "run"
     cfg = load_config(
-        "configs/pneumoniamnist_cnn_2d_eps1.yaml",
+        Path(__file__).resolve().parents[2] / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml",
         overrides=[
             "method=dp-sgd",
             f"data.path={PNEUMONIA}",
