@@ -33,7 +33,11 @@ SIZE = {"vit": (8, 8), "unetr": (32, 32), "swinunetr": (64, 64)}
 
 def _tiny(name: str, classes: int = 3) -> nn.Module:
     model, _ = build_model(
-        name, spatial_dims=2, in_channels=1, out_channels=classes, input_size=SIZE[name],
+        name,
+        spatial_dims=2,
+        in_channels=1,
+        out_channels=classes,
+        input_size=SIZE[name],
         **TINY[name],
     )
     return model
@@ -52,15 +56,22 @@ def _targets(name: str, n: int, classes: int = 3, seed: int = 0) -> torch.Tensor
 
 
 class _Probes(GaussianProbes):
-    """Gaussian probes with label maps for segmentation networks."""
+    """Gaussian probes of one input shape; label maps for segmentation networks."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__((1, *SIZE[name]), num_classes=3)
-        self.name = name
+    def __init__(self, shape: tuple[int, ...], *, segmentation: bool, classes: int = 3) -> None:
+        super().__init__(shape, num_classes=classes)
+        self.segmentation = segmentation
 
     def sample(self, num, *, seed, model=None, device=None, dtype=torch.float32):
-        x, _ = super().sample(num, seed=seed, dtype=dtype)
-        return x, _targets(self.name, num, seed=seed + 1)
+        x, y = super().sample(num, seed=seed, dtype=dtype)
+        if self.segmentation:
+            g = torch.Generator().manual_seed(seed + 1)
+            y = torch.randint(0, self.num_classes, (num, *self.shape[1:]), generator=g)
+        return x, y
+
+
+def _tiny_probes(name: str) -> _Probes:
+    return _Probes((1, *SIZE[name]), segmentation=name != "vit")
 
 
 @pytest.mark.parametrize("name", ["vit", "unetr", "swinunetr"])
@@ -68,8 +79,13 @@ def test_fixed_network_computes_what_monai_computes(name, float64):
     """The rewritten forwards equal MONAI's own, weight for weight (eval and train mode)."""
     torch.manual_seed(0)
     model, fixes = build_model(
-        name, spatial_dims=2, in_channels=1, out_channels=3, input_size=SIZE[name],
-        dp_fix=False, **TINY[name],
+        name,
+        spatial_dims=2,
+        in_channels=1,
+        out_channels=3,
+        input_size=SIZE[name],
+        dp_fix=False,
+        **TINY[name],
     )
     fixed, fixes = make_private_compatible(copy.deepcopy(model))
     assert fixes and all(f.reason for f in fixes)
@@ -184,19 +200,19 @@ def test_kfac_factors_of_attention_layers_equal_brute_force(float64):
             torch.testing.assert_close(factors[n].g[0], big_g, msg=f"{n} G {reduction}")
 
 
-def _engine(name, model, x, y, **kw):
+def _engine(model, x, y, probes, *, batch=4, **kw):
+    """DP-KFC through the engine on ``(x, y)`` with ``probes`` (sigma 1, C 1)."""
     eng = PrivacyEngine(seed=3)
     out = eng.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         delta=1e-5,
         method="dp-kfc",
-        probe_source=_Probes(name),
+        probe_source=probes,
         probe_loss=_loss,
-        loss_reduction="sum",
         **kw,
     )
     return eng, out
@@ -209,7 +225,9 @@ def test_packed_qkv_rows_transform_equals_the_dense_kronecker_operator(float64):
     x, y = torch.randn(4, 1, 8, 8), _targets("vit", 4)
     reference = copy.deepcopy(model)
     cfg = PreconditionerConfig(factors="ag", rank_a=None, num_probes=32, chunk_size=16)
-    eng, (pm, popt, _) = _engine("vit", model, x, y, preconditioner=cfg)
+    eng, (pm, popt, _) = _engine(
+        model, x, y, _tiny_probes("vit"), preconditioner=cfg, loss_reduction="sum"
+    )
     name = "vit.blocks.0.attn.qkv"
     block = eng.preconditioner.blocks[name]
     qkv = dict(reference.named_modules())[name].weight  # [3 * hidden, hidden]: packed q, k, v
@@ -239,12 +257,22 @@ def test_unetr_sensitivity_and_data_independence(family, float64):
         g = torch.Generator().manual_seed(seed)
         x, y = torch.randn(9, 1, 32, 32, generator=g), _targets("unetr", 9, seed=seed)
         cfg = PreconditionerConfig(family=family, num_probes=8, chunk_size=4)
-        eng, (pm, popt, _) = _engine("unetr", copy.deepcopy(base), x, y, probe_seed=7,
-                                     preconditioner=cfg)
+        eng, (pm, popt, _) = _engine(
+            copy.deepcopy(base),
+            x,
+            y,
+            _tiny_probes("unetr"),
+            probe_seed=7,
+            preconditioner=cfg,
+            loss_reduction="sum",
+        )
         pres.append(eng.preconditioner)
         if seed == 0:
-            covered = {p for b in eng.preconditioner.blocks.values()
-                       for p in b.module.parameters(recurse=False)}
+            covered = {
+                p
+                for b in eng.preconditioner.blocks.values()
+                for p in b.module.parameters(recurse=False)
+            }
             fallback = {id(fb.param) for fb in eng.preconditioner.fallbacks.values()}
             trainable = [p for p in pm._module.parameters() if p.requires_grad]
             assert all(p in covered or id(p) in fallback for p in trainable)
@@ -280,11 +308,12 @@ def test_default_transformers_have_full_blocks_on_95_percent_of_parameters(
     model, _ = build_model(
         name, spatial_dims=spatial, in_channels=1, out_channels=2, input_size=size, **kwargs
     )
-    cfg = PreconditionerConfig(num_probes=4, chunk_size=2, max_factor_dim=8192,
-                               calibration_samples=2)
-    probes = _SizedProbes((1, *size), segmentation=name == "unetr")
+    cfg = PreconditionerConfig(
+        num_probes=4, chunk_size=2, max_factor_dim=8192, calibration_samples=2
+    )
+    probes = _Probes((1, *size), segmentation=name == "unetr", classes=2)
     x, y = probes.sample(4, seed=0)
-    eng, _ = _engine_sized(model, x, y, probes, cfg)
+    eng, _ = _engine(model, x, y, probes, batch=2, preconditioner=cfg)
     rows = eng.preconditioner.coverage()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # brute force: a block of the family (dense or low-rank-plus-tail A), not a diagonal A
@@ -301,36 +330,6 @@ def test_default_transformers_have_full_blocks_on_95_percent_of_parameters(
     assert shares["full_block"] >= 0.95
     attention = [r for r in rows if ".attn." in r["layer"] and r["type"] == "Linear"]
     assert attention and all(r["A"] != "diagonal" for r in attention)
-
-
-class _SizedProbes(GaussianProbes):
-    def __init__(self, shape, segmentation: bool) -> None:
-        super().__init__(shape, num_classes=2)
-        self.segmentation = segmentation
-
-    def sample(self, num, *, seed, model=None, device=None, dtype=torch.float32):
-        x, y = super().sample(num, seed=seed, dtype=dtype)
-        if self.segmentation:
-            g = torch.Generator().manual_seed(seed)
-            y = torch.randint(0, 2, (num, *self.shape[1:]), generator=g)
-        return x, y
-
-
-def _engine_sized(model, x, y, probes, cfg):
-    eng = PrivacyEngine(seed=3)
-    out = eng.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=2),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        delta=1e-5,
-        method="dp-kfc",
-        probe_source=probes,
-        probe_loss=_loss,
-        preconditioner=cfg,
-    )
-    return eng, out
 
 
 def test_monai_swinunetr_window_attention_needs_its_block():
