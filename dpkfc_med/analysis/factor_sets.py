@@ -38,12 +38,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
 
 from dpkfc_med.curvature.factors import LossFn, covered_layers, estimate_factors
 from dpkfc_med.curvature.families import Family, estimate_gradient_statistics
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
-from dpkfc_med.probes import ProbeSource
+from dpkfc_med.probes import ProbeSource, probe_source_problems
 from dpkfc_med.utils import check_choice
 
 __all__ = [
@@ -245,20 +244,14 @@ def _estimate(
 
 
 def _probe_source_problem(source: object) -> str | None:
-    kind = type(source).__name__
     if isinstance(source, OracleFactors):
         return f"source is OracleFactors ({ORACLE_LABEL}); probe factors need a ProbeSource"
-    if isinstance(source, DataLoader | Dataset | Tensor):
-        return (
-            f"source is a {kind}: probe factors come from synthetic or public probes only; use "
-            "oracle_factors(model, images, labels, ...) for private data (research only)"
-        )
-    if not isinstance(source, ProbeSource):
-        return (
-            f"source ({kind}) must have sample(num, *, seed, model, device, dtype) and "
-            "describe() (the dpkfc_med.probes.ProbeSource protocol)"
-        )
-    return None
+    problems = probe_source_problems(
+        source,
+        field="source",
+        fix="use oracle_factors(model, images, labels, ...) for private data (research only)",
+    )
+    return problems[0] if problems else None
 
 
 def probe_factors(

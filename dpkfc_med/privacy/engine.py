@@ -26,7 +26,7 @@ import torch
 from opacus.data_loader import DPDataLoader
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from dpkfc_med.curvature.cost import (
     auto_refresh_every,
@@ -40,7 +40,7 @@ from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.rng import SecurePoissonSampler
-from dpkfc_med.probes.sources import ProbeSource
+from dpkfc_med.probes.sources import ProbeSource, probe_source_problems
 from dpkfc_med.utils import check_choice
 
 __all__ = ["Method", "PrivacyEngine", "check_loader_sampling", "check_model_compatible"]
@@ -151,23 +151,6 @@ def _poisson_loader(
     )
     loader.sample_rate = sample_rate  # type: ignore[attr-defined]
     return loader
-
-
-def _probe_source_problems(source: object) -> list[str]:
-    """Refuse data containers as probe sources: the preconditioner must never see data."""
-    kind = type(source).__name__
-    if isinstance(source, (DataLoader, Dataset, Tensor)):
-        return [
-            f"probe_source is a {kind}: the preconditioner may only be built from synthetic "
-            "probes (no private data); pass a dpkfc_med.probes.ImageProbeSource (or another "
-            "ProbeSource) and keep the data in data_loader"
-        ]
-    if not isinstance(source, ProbeSource):
-        return [
-            f"probe_source ({kind}) must have sample(num, *, seed, model, device, dtype) and "
-            "describe() (the dpkfc_med.probes.ProbeSource protocol)"
-        ]
-    return []
 
 
 class PrivacyEngine:
@@ -294,7 +277,7 @@ class PrivacyEngine:
                 "dpkfc_med.probes.ImageProbeSource and a per-sample loss); or use method=dp-sgd"
             )
         if self.method is Method.DP_KFC and probe_source is not None:
-            problems += _probe_source_problems(probe_source)
+            problems += probe_source_problems(probe_source)
         if self.method is Method.DP_KFC:
             problems += refresh_settings_problems(refresh_every, refresh_budget)
             natural = preconditioner is not None and preconditioner.step == "natural"

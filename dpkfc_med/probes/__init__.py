@@ -19,6 +19,7 @@ from dpkfc_med.probes.sources import (
     TargetRule,
     Task,
     check_probe_batch,
+    probe_source_problems,
     sample_model_targets,
 )
 from dpkfc_med.probes.tokens import SPECIAL_TOKEN_KEYS, TokenProbeSource, zipf_tokens
@@ -38,6 +39,7 @@ __all__ = [
     "Task",
     "TokenProbeSource",
     "check_probe_batch",
+    "probe_source_problems",
     "fit_spectral_slope",
     "get_preset",
     "match_intensity",

@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
 from dpkfc_med.probes._options import parse_option
 from dpkfc_med.probes.noise import (
@@ -83,6 +84,37 @@ class ProbeSource(Protocol):
     def describe(self) -> dict[str, object]:
         """JSON-serialisable provenance of the probes, for the privacy report."""
         ...
+
+
+def probe_source_problems(
+    source: object,
+    *,
+    field: str = "probe_source",
+    fix: str = "pass a dpkfc_med.probes.ImageProbeSource (or another ProbeSource) and keep the "
+    "data in the training loader",
+) -> list[str]:
+    """Refuse anything but a :class:`ProbeSource`, naming data containers as such.
+
+    Curvature estimates that claim to cost no privacy may only come from probes: a
+    ``DataLoader``, ``Dataset`` or tensor (private data, or data of unknown provenance) is
+    refused with ``fix``; any other object without ``sample`` and ``describe`` is refused as
+    not a probe source.
+
+    Returns:
+        Problems as ``"<field> ...; <fix>"`` lines (empty when ``source`` is a probe source).
+    """
+    kind = type(source).__name__
+    if isinstance(source, (DataLoader, Dataset, Tensor)):
+        return [
+            f"{field} is a {kind}: curvature may only be estimated from synthetic or public "
+            f"probes (no private data); {fix}"
+        ]
+    if not isinstance(source, ProbeSource):
+        return [
+            f"{field} ({kind}) must have sample(num, *, seed, model, device, dtype) and "
+            "describe() (the dpkfc_med.probes.ProbeSource protocol)"
+        ]
+    return []
 
 
 class NoiseKind(str, Enum):
