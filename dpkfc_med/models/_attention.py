@@ -88,7 +88,14 @@ class RelativePositionBias(nn.Module):
         self.index = index.detach().clone()
 
     def _flat_index(self, n: int) -> Tensor:
-        return self.index[:n, :n].reshape(-1).to(self.weight.device)
+        """The first ``n x n`` entries of the index, flat, on the table's device (cached: the
+        forward and the grad sampler ask for it at every step)."""
+        cached = getattr(self, "_flat", None)
+        device = self.weight.device
+        if cached is None or cached.numel() != n * n or cached.device != device:
+            cached = self.index[:n, :n].reshape(-1).to(device)
+            self._flat = cached
+        return cached
 
     def bias(self, n: int) -> Tensor:
         """``[heads, n, n]``: the bias of an ``n``-token window."""
