@@ -411,7 +411,7 @@ def _evidence(data: dict[str, Any], rows: dict[tuple[str, Any], list[dict[str, A
             continue
         layers: list[str] = []
         for d in diags.values():
-            for layer in (d[0].get("mean_layer_snr") or {}):
+            for layer in d[0].get("mean_layer_snr") or {}:
                 if layer not in layers:
                     layers.append(layer)
 

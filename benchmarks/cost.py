@@ -215,9 +215,7 @@ CASES: dict[str, Case] = {
             "4 heads, MLP 192, feature size 8), hippocampus crop 32x48x32, 3 output channels",
             epoch_samples=220,
             epoch_data="MSD Task04 Hippocampus volumes available here (220)",
-            full=Setting(
-                (32, 48, 32), 16, {"max_factor_dim": 8192, "fallback": "diagonal"}
-            ),
+            full=Setting((32, 48, 32), 16, {"max_factor_dim": 8192, "fallback": "diagonal"}),
             quick=Setting((32, 32, 32), 1, _QUICK_KFC | {"num_probes": 4}, _QUICK_WHY),
             cpu_full_kfc={"num_probes": 8},
             cpu_full_why="CPU full mode: the refresh is built from 8 probes and the default "

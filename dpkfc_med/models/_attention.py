@@ -88,8 +88,10 @@ class RelativePositionBias(nn.Module):
         self.index = index.detach().clone()
 
     def _flat_index(self, n: int) -> Tensor:
-        """The first ``n x n`` entries of the index, flat, on the table's device (cached: the
-        forward and the grad sampler ask for it at every step)."""
+        """The first ``n x n`` entries of the index, flat, on the table's device.
+
+        Cached: the forward and the grad sampler ask for it at every step.
+        """
         cached = getattr(self, "_flat", None)
         device = self.weight.device
         if cached is None or cached.numel() != n * n or cached.device != device:

@@ -257,6 +257,23 @@ def _resnet10(
     return _monai_resnet(nets.resnet10, spatial_dims, in_channels, out_channels, kwargs)
 
 
+def _monai_net(
+    factory: Callable[..., nn.Module],
+    defaults: dict[str, Any],
+    spatial_dims: int,
+    in_channels: int,
+    out_channels: int,
+    kwargs: dict[str, Any],
+) -> nn.Module:
+    """A MONAI network with our defaults first and the caller's keyword arguments last."""
+    return factory(
+        spatial_dims=spatial_dims,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        **{**defaults, **kwargs},
+    )
+
+
 @register_model("unet", task="segmentation")
 def _unet(*, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: Any) -> nn.Module:
     """MONAI UNet, 4 levels (16-128 channels), 2 residual units, instance norm."""
@@ -266,12 +283,7 @@ def _unet(*, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: A
         "num_res_units": 2,
         "norm": "instance",
     }
-    return nets.UNet(
-        spatial_dims=spatial_dims,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        **{**params, **kwargs},
-    )
+    return _monai_net(nets.UNet, params, spatial_dims, in_channels, out_channels, kwargs)
 
 
 @register_model("basicunet", task="segmentation")
@@ -280,12 +292,7 @@ def _basicunet(
 ) -> nn.Module:
     """MONAI BasicUNet with small features (16, 16, 32, 64, 128, 16); inputs divisible by 16."""
     params: dict[str, Any] = {"features": (16, 16, 32, 64, 128, 16)}
-    return nets.BasicUNet(
-        spatial_dims=spatial_dims,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        **{**params, **kwargs},
-    )
+    return _monai_net(nets.BasicUNet, params, spatial_dims, in_channels, out_channels, kwargs)
 
 
 @register_model("segresnet", task="segmentation")
@@ -294,12 +301,7 @@ def _segresnet(
 ) -> nn.Module:
     """MONAI SegResNet, 8 initial filters, GroupNorm with 8 groups; inputs divisible by 8."""
     params: dict[str, Any] = {"init_filters": 8, "norm": ("group", {"num_groups": 8})}
-    return nets.SegResNet(
-        spatial_dims=spatial_dims,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        **{**params, **kwargs},
-    )
+    return _monai_net(nets.SegResNet, params, spatial_dims, in_channels, out_channels, kwargs)
 
 
 # Transformers: small sizes that train on 2 CPU cores; every MONAI argument can be overridden.
@@ -321,9 +323,7 @@ def _vit(*, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: An
 
 
 @register_model("unetr", task="segmentation", needs_input_size=True)
-def _unetr(
-    *, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: Any
-) -> nn.Module:
+def _unetr(*, spatial_dims: int, in_channels: int, out_channels: int, **kwargs: Any) -> nn.Module:
     """MONAI UNETR: hidden 96, 4 heads, MLP 192, 12 blocks (fixed by UNETR), feature size 8."""
     params: dict[str, Any] = {
         "hidden_size": 96,
@@ -332,12 +332,7 @@ def _unetr(
         "feature_size": 8,
         "norm_name": "instance",
     }
-    return nets.UNETR(
-        in_channels=in_channels,
-        out_channels=out_channels,
-        spatial_dims=spatial_dims,
-        **{**params, **kwargs},
-    )
+    return _monai_net(nets.UNETR, params, spatial_dims, in_channels, out_channels, kwargs)
 
 
 @register_model("swinunetr", task="segmentation")
@@ -352,9 +347,4 @@ def _swinunetr(
         "window_size": 4,
         "norm_name": "instance",
     }
-    return nets.SwinUNETR(
-        in_channels=in_channels,
-        out_channels=out_channels,
-        spatial_dims=spatial_dims,
-        **{**params, **kwargs},
-    )
+    return _monai_net(nets.SwinUNETR, params, spatial_dims, in_channels, out_channels, kwargs)

@@ -53,7 +53,11 @@ def _input(name: str, dims: int, channels: int = 1, batch: int = 2) -> torch.Ten
 
 def _build(name: str, dims: int, **kwargs):
     return build_model(
-        name, spatial_dims=dims, in_channels=1, out_channels=3, input_size=_size(name, dims),
+        name,
+        spatial_dims=dims,
+        in_channels=1,
+        out_channels=3,
+        input_size=_size(name, dims),
         **kwargs,
     )
 

@@ -72,10 +72,15 @@ def test_adapter_and_sampler_registered_after_import_are_used(float64, monkeypat
     assert calls["shift"] == 1  # Opacus' table was read after the registration
     raw = torch.stack(
         [
-            torch.cat([g.flatten() for g in torch.autograd.grad(
-                F.cross_entropy(reference(x[i : i + 1]), y[i : i + 1], reduction="sum"),
-                [reference[1].weight, reference[1].bias],
-            )])
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(
+                        F.cross_entropy(reference(x[i : i + 1]), y[i : i + 1], reduction="sum"),
+                        [reference[1].weight, reference[1].bias],
+                    )
+                ]
+            )
             for i in range(5)
         ]
     )
