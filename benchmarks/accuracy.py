@@ -103,6 +103,12 @@ METHODS: dict[str, dict[str, Any]] = {
     # the default until session 6: dense U_A (rank_a null); see DENSE_A_DEFAULT_UNTIL
     "dp-kfc-dense": {"method": "dp-kfc", "preconditioner": {"rank_a": None}},
     "dp-kfc-white": {"method": "dp-kfc-white"},
+    # a public proxy of another modality (AdrenalMNIST3D CT masks, central slices for 2D
+    # tasks) instead of synthetic probes: the domain-shift baseline
+    "dp-kfc-public-adrenal": {
+        "method": "dp-kfc-public",
+        "probes": {"public_data": "adrenalmnist3d"},
+    },
     # the other probe-only families (preconditioner.family)
     "dp-kfc-shampoo": {"method": "dp-kfc", "preconditioner": {"family": "shampoo"}},
     "dp-kfc-diagonal": {"method": "dp-kfc", "preconditioner": {"family": "diagonal"}},

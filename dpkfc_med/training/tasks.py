@@ -142,11 +142,39 @@ class Task:
         )
 
 
+def _match_dims(images: Tensor, spatial_dims: int, path: Path) -> Tensor:
+    """A 3D proxy for a 2D task becomes its central slices along every axis; 2D for 3D fails."""
+    have = images.ndim - 2
+    if have == spatial_dims:
+        return images
+    if have == 3 and spatial_dims == 2:
+        slices = [images.select(2 + axis, images.shape[2 + axis] // 2) for axis in range(3)]
+        same = [s for s in slices if s.shape[2:] == slices[0].shape[2:]]
+        if len(same) == len(slices):
+            return torch.cat(slices)
+        # anisotropic volumes: each axis' slices are resized separately by the caller's shape
+        size = slices[0].shape[2:]
+        return torch.cat(
+            [F.interpolate(s, size=size, mode="bilinear", align_corners=False) for s in slices]
+        )
+    raise ConfigError(
+        [
+            f"probes.public_data={str(path)!r} holds {have}D images but the private task is "
+            f"{spatial_dims}D: a {have}D proxy cannot give {spatial_dims}D probes; use a "
+            f"{spatial_dims}D public archive (a 3D proxy serves a 2D task through its central "
+            "slices)"
+        ],
+        "probes",
+    )
+
+
 class PublicProbeSource:
     """Probes drawn from a public MedMNIST-format archive (the ``dp-kfc-public`` baseline).
 
     Images are resized to the private spatial shape and channel count; targets are uniform
-    random classes. The report names the file.
+    random classes. A 3D proxy for a 2D task contributes the central slice of each volume along
+    each of its three axes (3 images per volume); a 2D proxy cannot stand in for a 3D task. The
+    report names the file.
 
     Privacy guarantee:
         The preconditioner is post-processing only if the proxy holds no private data. The
@@ -212,6 +240,8 @@ class PublicProbeSource:
                     ],
                     "probes",
                 )
+        images = _match_dims(images, len(spatial_shape), self.path)
+        self.sliced = images.shape[0] != data.splits["train"][0].shape[0]
         if images.shape[1] != channels:
             images = images.mean(1, keepdim=True).expand(-1, channels, *images.shape[2:])
         if tuple(images.shape[2:]) != tuple(spatial_shape):
@@ -283,6 +313,11 @@ class PublicProbeSource:
             "sha256": self.sha256,
             "note": note,
             "targets": "uniform random classes",
+            "images": (
+                "central slice of each volume along each axis, resized"
+                if self.sliced
+                else "training images, resized"
+            ),
             "private_train": self.private_path,
             "overlap_with_private_train": self.overlap,
             "same_dataset_as_private": self.same_flag,

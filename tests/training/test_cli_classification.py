@@ -349,6 +349,28 @@ def test_same_medmnist_dataset_at_another_resolution_is_refused(tmp_path):
     assert "NOT covered by the guarantee" in ok.describe()["note"]
 
 
+def test_3d_public_proxy_serves_a_2d_task_through_its_central_slices(tmp_path):
+    """Each volume gives its three central slices; a 2D proxy for a 3D task is refused."""
+    from dpkfc_med.training.tasks import PublicProbeSource
+
+    src = dict(np.load(ADRENAL))
+    public = tmp_path / "volumes.npz"
+    np.savez(public, **{k: v[:3] for k, v in src.items()})
+    kw = {"channels": 1, "num_classes": 2, "task": "classification"}
+    proxy = PublicProbeSource(str(public), spatial_shape=(28, 28), **kw)
+    vol = torch.as_tensor(src["train_images"][:3], dtype=torch.float64) / 255.0
+    expected = torch.cat([vol[:, 14], vol[:, :, 14], vol[:, :, :, 14]]).unsqueeze(1)
+    assert proxy.images.shape == (9, 1, 28, 28)
+    torch.testing.assert_close(proxy.images.double(), expected, atol=1e-6, rtol=0)
+    assert proxy.describe()["images"].startswith("central slice of each volume")
+    x, y = proxy.sample(5, seed=0)
+    assert x.shape == (5, 1, 28, 28) and y.shape == (5,)
+    flat = tmp_path / "flat.npz"
+    np.savez(flat, **{k: v[:3] for k, v in dict(np.load(PNEUMONIA)).items()})
+    with pytest.raises(ValueError, match=r"holds 2D images but the private task is 3D"):
+        PublicProbeSource(str(flat), spatial_shape=(28, 28, 28), **kw)
+
+
 def test_patient_units_end_to_end(tmp_path):
     """A unit-id CSV makes the patient the unit of the run, its delta and its report."""
     csv = tmp_path / "adrenal_patients.csv"
