@@ -4,6 +4,7 @@ Run the whole study (MSD Task04 hippocampus, epsilon 8, 3 and 1, seeds 1-3)::
 
     python benchmarks/segmentation.py                     # study "main"
     python benchmarks/segmentation.py --study levers      # the recipe's levers at epsilon 8
+    python benchmarks/segmentation.py --study levers --lever-epsilons 3   # ... at epsilon 3
     python benchmarks/segmentation.py --study shipped     # the shipped configs, as shipped
 
 Every run is the CLI pipeline (`dpkfc_med.training.train`) on ``--config`` with only the method,
@@ -20,7 +21,8 @@ evaluation seeds and scored on the test cases. The training seed also draws the 
 tuned once (it has no epsilon). Model selection inside a run (best epoch by validation Dice) is
 the same for every method. The gap fraction of a method at an epsilon is
 (Dice - DP-SGD Dice) / (non-private Dice - DP-SGD Dice) on the test means.
-Lever study: at epsilon 8, seed 0, each method at its learning rate chosen in the main study,
+Lever study: at epsilon 8 (or ``--lever-epsilons``), seed 0, each method at its learning rate
+chosen in the main study at that epsilon,
 the config as shipped and with one lever changed at a time; scored by validation Dice.
 Shipped study: each ``configs/hippocampus_unet_3d_eps{8,3,1}.yaml`` trained exactly as shipped
 with the CLI's settings (noise from OS entropy, two torch threads, seed 0's split), timed, then
@@ -77,6 +79,7 @@ LEVERS: dict[str, dict[str, Any]] = {
     "cosine learning rate": {"training": {"lr_schedule": "cosine"}},
     "clip norm x0.25": {"privacy": {"max_grad_norm": "x0.25"}},
     "UNet channels 16-32-64 (4x parameters)": {"model": {"kwargs": {"channels": [16, 32, 64]}}},
+    "UNet channels 4-8-16 (1/4 of the parameters)": {"model": {"kwargs": {"channels": [4, 8, 16]}}},
     "K-FAC A only (no G factor)": {"preconditioner": {"factors": "a"}},
     "probe targets: smooth blobs on a background": {"probes": {"target": "shapes"}},
     "preconditioner family: Shampoo (L^-1/4 g R^-1/4 from probe gradients)": {
@@ -391,12 +394,13 @@ def summarize(data: dict[str, Any]) -> str:
         if r.get("study", "main") == "main" and r["phase"] == "tune":
             eps = "-" if r["eps"] is None else f"{r['eps']:g}"
             lines.append(f"| {r['method']} | {eps} | {r['lr']:g} | {r['val']['mean_dice']:.3f} |")
-    lever_runs = [r for r in data["runs"] if r.get("study") == "levers"]
-    if lever_runs:
+    all_levers = [r for r in data["runs"] if r.get("study") == "levers"]
+    for eps in sorted({r["eps"] for r in all_levers}, reverse=True):
+        lever_runs = [r for r in all_levers if r["eps"] == eps]
         lines += [
             "",
-            "Lever study (epsilon 8, seed 0, validation mean Dice; one change from the shipped "
-            "config; each method at its learning rate chosen above):",
+            f"Lever study (epsilon {eps:g}, seed 0, validation mean Dice; one change from the "
+            "shipped config; each method at its learning rate chosen above):",
             "",
             "| lever | " + " | ".join(METHODS[1:]) + " | clipped fraction (dp-sgd / dp-kfc) |",
             "|---|---|---|---|",
@@ -406,8 +410,8 @@ def summarize(data: dict[str, Any]) -> str:
             for r in data["runs"]
             if r.get("study", "main") == "main"
             and r["phase"] == "tune"
-            and r["eps"] == 8.0
-            and r["lr"] == _best_lr(data, r["method"], 8.0)
+            and r["eps"] == eps
+            and r["lr"] == _best_lr(data, r["method"], eps)
         ]
         for lever in LEVERS:
             cells, clipped = [], []
@@ -581,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         help="lever study: comma-separated lever numbers (1 = the first after 'shipped'); "
         "default all",
     )
+    p.add_argument(
+        "--lever-epsilons",
+        default="8",
+        help="lever study: the epsilons it runs at (each method at its learning rate chosen "
+        "there in the main study)",
+    )
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
     p.add_argument(
@@ -669,22 +679,26 @@ def main(argv: list[str] | None = None) -> int:
         chosen = list(LEVERS)[1:]  # "shipped" is the main study's tuning run
         if args.levers:
             chosen = [chosen[int(i) - 1] for i in args.levers.split(",")]
-        for lever in chosen:
-            for m in LEVER_METHODS.get(lever, tuple(x for x in methods if x != "nonprivate")):
-                lr = _best_lr(data, m, 8.0)
-                if lr is None:
-                    p.error(f"--study levers: run the main study first (no tuned lr for {m} at 8)")
-                jobs.append(
-                    {
-                        "study": "levers",
-                        "lever": lever,
-                        "phase": "tune",
-                        "method": m,
-                        "eps": 8.0,
-                        "lr": lr,
-                        "seed": 0,
-                    }
-                )
+        for eps in [float(e) for e in args.lever_epsilons.split(",")]:
+            for lever in chosen:
+                for m in LEVER_METHODS.get(lever, tuple(x for x in methods if x != "nonprivate")):
+                    lr = _best_lr(data, m, eps)
+                    if lr is None:
+                        p.error(
+                            f"--study levers: run the main study first (no tuned lr for {m} "
+                            f"at {eps:g})"
+                        )
+                    jobs.append(
+                        {
+                            "study": "levers",
+                            "lever": lever,
+                            "phase": "tune",
+                            "method": m,
+                            "eps": eps,
+                            "lr": lr,
+                            "seed": 0,
+                        }
+                    )
         _run_all(jobs, base, data, out, args.runs_dir, args.workers)
     out.with_suffix(".md").write_text(summarize(data))
     plot(data, out.with_suffix(".png"))

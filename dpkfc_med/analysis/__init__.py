@@ -35,6 +35,7 @@ from dpkfc_med.analysis.image_spectra import (
 )
 from dpkfc_med.analysis.plots import (
     plot_alignment,
+    plot_benchmark_accuracy,
     plot_clipped_fraction,
     plot_eigenvalue_decay,
     plot_image_spectra,
@@ -46,6 +47,7 @@ from dpkfc_med.analysis.run_diagnostics import (
     read_run_diagnostics,
     snr_rows,
 )
+from dpkfc_med.analysis.runs import benchmark_accuracy, public_proxy, released_model
 from dpkfc_med.analysis.samples import RealSample, medmnist_sample, segmentation_sample
 from dpkfc_med.analysis.spectra import effective_rank, factor_spectra, spectrum_table
 
@@ -62,6 +64,7 @@ __all__ = [
     "RunDiagnostics",
     "align_factor",
     "band_exponents",
+    "benchmark_accuracy",
     "compare_factors",
     "depth_summary",
     "effective_rank",
@@ -73,14 +76,17 @@ __all__ = [
     "medmnist_sample",
     "oracle_factors",
     "plot_alignment",
+    "plot_benchmark_accuracy",
     "plot_clipped_fraction",
     "plot_eigenvalue_decay",
     "plot_image_spectra",
     "plot_layer_snr",
     "probe_factors",
     "probe_spectrum",
+    "public_proxy",
     "read_run_diagnostics",
     "relative_frobenius_error",
+    "released_model",
     "role_damping",
     "segmentation_sample",
     "snr_rows",

@@ -174,3 +174,40 @@ def plot_clipped_fraction(runs: Sequence[RunDiagnostics], *, title: str = "") ->
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_benchmark_accuracy(
+    rows: Sequence[Mapping[str, Any]], *, metric: str = "test AUROC", title: str = ""
+) -> Figure:
+    """Bars of a test metric per method, grouped by epsilon, with the seeds' std as error bars.
+
+    Args:
+        rows: :func:`~dpkfc_med.analysis.benchmark_accuracy` rows.
+        metric: Axis label of the metric.
+        title: Figure title.
+    """
+    plt = _plt()
+    epsilons = list(dict.fromkeys(r["epsilon"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(epsilons) * len(methods) / 2, 3.2))
+    width = 0.8 / max(len(methods), 1)
+    for k, method in enumerate(methods):
+        mine = {r["epsilon"]: r for r in rows if r["method"] == method}
+        xs = [i + k * width for i, e in enumerate(epsilons) if e in mine]
+        ax.bar(
+            xs,
+            [mine[e]["mean"] for e in epsilons if e in mine],
+            width,
+            yerr=[mine[e]["std"] for e in epsilons if e in mine],
+            label=method,
+            capsize=2,
+        )
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(epsilons))])
+    ax.set_xticklabels(["non-private" if e is None else f"epsilon {e:g}" for e in epsilons])
+    ax.set_ylabel(metric)
+    low = min(r["mean"] - r["std"] for r in rows)
+    ax.set_ylim(max(0.0, low - 0.05), 1.0)
+    ax.legend(fontsize=7)
+    ax.set_title(title or f"{metric} per method (mean +- std over seeds)")
+    fig.tight_layout()
+    return fig

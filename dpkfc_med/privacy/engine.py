@@ -304,6 +304,11 @@ class PrivacyEngine:
         self.ledger.meta.update(
             {"sample_rate": self.sample_rate, "units": n_units, "expected_batch_size": expected}
         )
+        owners = {
+            id(p): (name or p_name, m)
+            for name, m in gsm._module.named_modules()
+            for p_name, p in m.named_parameters(recurse=False)
+        }
         opt = ScaleThenPrivatizeOptimizer(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -314,6 +319,8 @@ class PrivacyEngine:
             secure_mode=self.secure_mode,
             max_steps=max_steps,
             diagnostics=diagnostics,
+            param_owners=owners,
+            raw_norms_sq=gsm.raw_norms_sq,
         )
         opt.attach_step_hook(self._record_step)
         self.module, self.optimizer = gsm, opt
@@ -326,10 +333,6 @@ class PrivacyEngine:
                 else _entropy_generator(ref.device)
             )
             opt.generator = self.noise_generator
-        for name, m in gsm._module.named_modules():
-            for p_name, p in m.named_parameters(recurse=False):
-                p._dpkfc_owner = m  # type: ignore[attr-defined]
-                p._dpkfc_name = name or p_name  # type: ignore[attr-defined]
         if self.method is Method.DP_KFC:
             self.probe_source, self.probe_loss = probe_source, probe_loss
             self.preconditioner_config = preconditioner or PreconditionerConfig()
@@ -462,8 +465,7 @@ class PrivacyEngine:
                 )
         finally:
             self.module.enable_hooks()
-        KroneckerPreconditioner.detach(model)
-        pre.attach(model)
+        self.module.set_blocks(pre.module_blocks())
         self.optimizer.preconditioner = pre
         self.refreshes.append(
             {

@@ -6,10 +6,10 @@ the captured activations and output errors: from the layer's rows without a bias
 (``KroneckerBlock.sample_grads``: ``(U_G delta)(U_A a)^T`` summed over positions, or the
 transform of the per-sample gradient, whichever is cheaper; a ``conv_a="kron"`` layer mixes its
 input's channels by ``U_C`` first), written straight into per-parameter buffers. Transposed
-convolutions transform per-sample gradients formed on their input grid. Layers without an
-attached preconditioner block use Opacus' own samplers unchanged, so DP-SGD through this
-module is bit-for-bit Opacus. Everything downstream (clipping, noise, accounting) sees ordinary
-``grad_sample`` tensors.
+convolutions transform per-sample gradients formed on their input grid. Layers without a
+block (:meth:`PreconditionedGradSampleModule.set_blocks`) use Opacus' own samplers unchanged,
+so DP-SGD through this module is bit-for-bit Opacus. Everything downstream (clipping, noise,
+accounting) sees ordinary ``grad_sample`` tensors.
 """
 
 from __future__ import annotations
@@ -81,9 +81,17 @@ def _sample_chunk(batch: int, row_elements: int | None = None) -> int:
 
 
 def _preconditioned_sampler(
-    module: nn.Module, activations: list[Tensor], backprops: Tensor
+    module: nn.Module,
+    activations: list[Tensor],
+    backprops: Tensor,
+    block: KroneckerBlock | None,
+    kept: dict[nn.Module, Tensor],
 ) -> dict[nn.Parameter, Tensor]:
-    block: KroneckerBlock | None = getattr(module, "_dpkfc_block", None)
+    """Per-sample gradients of ``module``, in ``block``'s coordinates when it has one.
+
+    The raw squared norms of the first :func:`raw_norm_samples` samples go to
+    ``kept[module]`` (diagnostics).
+    """
     adapter = adapter_for(module)
     if block is None:
         if type(module) in _OPACUS_SAMPLERS:
@@ -101,7 +109,7 @@ def _preconditioned_sampler(
         # Direct per-sample gradients (transposed convs: no zero-inserted unfold), then the
         # literal transform s U_G g U_A.
         raw = block.raw_grads(x, backprops, chunk=_sample_chunk(x.shape[0]))
-        module._dpkfc_raw_sq = raw[:m].pow(2).flatten(1).sum(1)  # type: ignore[assignment]
+        kept[module] = raw[:m].pow(2).flatten(1).sum(1)
         return adapter.to_params(module, block.transform_grads(raw))
     # Rows without a bias column, written straight into per-parameter buffers: no
     # concatenation of a ones column and no split copies afterwards.
@@ -134,7 +142,7 @@ def _preconditioned_sampler(
             _, _, raw_sq = block.sample_grads(rows, err, raw_norms=need, out=outs)
         if raw_sq is not None:
             raw_parts.append(raw_sq)
-    module._dpkfc_raw_sq = torch.cat(raw_parts) if raw_parts else x.new_zeros(0)  # type: ignore[assignment]
+    kept[module] = torch.cat(raw_parts) if raw_parts else x.new_zeros(0)
     out = {weight: w_out} if weight.requires_grad else {}
     if b_out is not None:
         out[bias] = b_out  # type: ignore[index]
@@ -142,9 +150,40 @@ def _preconditioned_sampler(
 
 
 class PreconditionedGradSampleModule(GradSampleModule):
-    """Opacus ``GradSampleModule`` with preconditioned grad samplers for covered layers."""
+    """Opacus ``GradSampleModule`` with preconditioned grad samplers for covered layers.
+
+    The preconditioner reaches the hooks through :meth:`set_blocks` (a mapping from covered
+    modules to their blocks, empty for DP-SGD), and the hooks hand back the raw per-sample
+    norms they kept in :attr:`raw_norms_sq`; nothing is stored on the wrapped modules.
+
+    Attributes:
+        blocks: Covered module -> its :class:`~dpkfc_med.curvature.KroneckerBlock`.
+        raw_norms_sq: Covered module -> raw squared norms of the first
+            :func:`raw_norm_samples` samples of the latest backward pass (diagnostics).
+    """
 
     GRAD_SAMPLERS: dict[Any, Any] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.blocks: dict[nn.Module, KroneckerBlock] = {}
+        self.raw_norms_sq: dict[nn.Module, Tensor] = {}
+        super().__init__(*args, **kwargs)
+
+    def set_blocks(self, blocks: dict[nn.Module, KroneckerBlock]) -> None:
+        """Compute the per-sample gradients of ``blocks``' modules in their coordinates.
+
+        Modules left out (all of them with an empty mapping) get Opacus' raw per-sample
+        gradients. Raw norms kept under the previous blocks are dropped.
+        """
+        self.blocks = dict(blocks)
+        self.raw_norms_sq.clear()
+
+    def _sample(
+        self, module: nn.Module, activations: list[Tensor], backprops: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        return _preconditioned_sampler(
+            module, activations, backprops, self.blocks.get(module), self.raw_norms_sq
+        )
 
     def add_hooks(self, *args: Any, **kwargs: Any) -> None:
         """Prepare functorch for covered types Opacus has no formula for, then add hooks.
@@ -156,7 +195,7 @@ class PreconditionedGradSampleModule(GradSampleModule):
         """
         self.GRAD_SAMPLERS = {
             **_OPACUS_SAMPLERS,
-            **{t: _preconditioned_sampler for t in supported_layer_types()},
+            **{t: self._sample for t in supported_layer_types()},
         }
         for m in self._module.modules():
             if type(m) in self.GRAD_SAMPLERS and type(m) not in _OPACUS_SAMPLERS:

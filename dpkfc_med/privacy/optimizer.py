@@ -30,14 +30,14 @@ Privacy guarantee:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner
 from dpkfc_med.privacy.grad_sample import raw_norm_samples
@@ -107,6 +107,11 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         preconditioner: the current preconditioner (``None`` for DP-SGD).
         max_steps: refuse any step beyond this count (the privacy plan).
         diagnostics: record :class:`StepDiagnostics` every step.
+        param_owners: ``id(param) -> (module name, module)`` for the diagnostics' per-layer
+            names and raw norms (the engine passes the wrapped model's modules).
+        raw_norms_sq: the per-sample hooks' raw squared norms by module
+            (:attr:`~dpkfc_med.privacy.grad_sample.PreconditionedGradSampleModule.
+            raw_norms_sq`), read by the diagnostics.
     """
 
     def __init__(
@@ -122,6 +127,8 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         preconditioner: KroneckerPreconditioner | None = None,
         max_steps: int | None = None,
         diagnostics: bool = True,
+        param_owners: Mapping[int, tuple[str, nn.Module]] | None = None,
+        raw_norms_sq: Mapping[nn.Module, Tensor] | None = None,
     ) -> None:
         # Opacus' own secure path needs torchcsprng; ours uses os.urandom (see add_noise).
         super().__init__(
@@ -142,6 +149,16 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         self.last_diagnostics = StepDiagnostics()
         self.post_step_hooks: list[Callable[[ScaleThenPrivatizeOptimizer], None]] = []
         self.pre_noise_hooks: list[Callable[[ScaleThenPrivatizeOptimizer], None]] = []
+        self.param_owners: Mapping[int, tuple[str, nn.Module]] = param_owners or {}
+        self.raw_norms_sq: Mapping[nn.Module, Tensor] = {} if raw_norms_sq is None else raw_norms_sq
+        self._fallback_raw_sq: dict[int, Tensor] = {}
+
+    def layer_name(self, p: nn.Parameter, index: int) -> str:
+        """The layer ``p`` belongs to in the diagnostics (``index``: its place in ``params``)."""
+        names = self.preconditioner.param_layer_names() if self.preconditioner else {}
+        if id(p) in names:
+            return names[id(p)]
+        return self.param_owners.get(id(p), (f"param{index}", None))[0]
 
     # ------------------------------------------------------------------------ units
     def set_unit_ids(self, unit_ids: Tensor | None) -> None:
@@ -154,6 +171,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
     # ---------------------------------------------------------------------- stages
     def precondition_grad_samples(self) -> None:
         """Apply fallback transforms to parameters the hooks did not precondition."""
+        self._fallback_raw_sq.clear()
         if self.preconditioner is None:
             return
         fallbacks = {id(fb.param): fb for fb in self.preconditioner.fallbacks.values()}
@@ -162,7 +180,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             if fb is not None and p.grad_sample is not None:
                 gs = self._get_flat_grad_sample(p)
                 m = raw_norm_samples(gs.shape[0])
-                p._dpkfc_raw_sq = gs[:m].pow(2).flatten(1).sum(1)  # type: ignore[attr-defined]
+                self._fallback_raw_sq[id(p)] = gs[:m].pow(2).flatten(1).sum(1)
                 p.grad_sample = fb.transform(gs)
 
     def _per_unit(self, grad: Tensor) -> Tensor:
@@ -212,7 +230,6 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         n = len(norms)
         if n == 0:
             return StepDiagnostics(batch_units=0)
-        names = self.preconditioner.param_layer_names() if self.preconditioner else {}
         share: dict[str, float] = {}
         sig: dict[str, float] = {}
         dims: dict[str, int] = {}
@@ -221,18 +238,18 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         raw_parts: list[Tensor] = []
         done: set[int] = set()
         for j, p in enumerate(self.params):
-            key = names.get(id(p), getattr(p, "_dpkfc_name", f"param{j}"))
+            key = self.layer_name(p, j)
             share[key] = share.get(key, 0.0) + float(col[j]) / total
             sig[key] = sig.get(key, 0.0) + signal[j]
             dims[key] = dims.get(key, 0) + p.numel()
-            owner = getattr(p, "_dpkfc_owner", None)
-            owner_raw = getattr(owner, "_dpkfc_raw_sq", None)
+            owner = self.param_owners.get(id(p), ("", None))[1]
+            owner_raw = None if owner is None else self.raw_norms_sq.get(owner)
             if owner_raw is not None:  # covered layer: hooks kept raw norms, once per module
                 if id(owner) not in done:
                     done.add(id(owner))
                     raw_parts.append(owner_raw)
-            elif getattr(p, "_dpkfc_raw_sq", None) is not None:  # fallback parameter
-                raw_parts.append(p._dpkfc_raw_sq)  # type: ignore[attr-defined]
+            elif id(p) in self._fallback_raw_sq:  # fallback parameter
+                raw_parts.append(self._fallback_raw_sq[id(p)])
             else:  # not preconditioned: raw == transformed
                 gs = self._get_flat_grad_sample(p)
                 raw_parts.append(gs[: raw_norm_samples(gs.shape[0])].pow(2).flatten(1).sum(1))

@@ -60,7 +60,7 @@ together, each naming the dotted field and the fix; `dpkfc-med train CONFIG --se
 overrides a field (the value is parsed as YAML) and is validated the same way.
 
 This page is generated from the typed config (`dpkfc_med/training/config.py` and
-`PreconditionerConfig` in `dpkfc_med/curvature/preconditioner.py`); regenerate it with
+`PreconditionerConfig` in `dpkfc_med/curvature/config.py`); regenerate it with
 `python -m dpkfc_med.training.config_reference > docs/configuration.md`.
 """
 

@@ -75,3 +75,22 @@ def test_run_without_diagnostics_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'diagnostics' is empty.*dp-sgd or dp-kfc"):
         read_run_diagnostics(tmp_path)
     assert snr_rows([]) == []
+
+
+def test_released_model_holds_the_released_parameters(run_dir):
+    """The rebuilt network carries model.pt's parameters and reproduces the run's logits."""
+    import torch
+
+    from dpkfc_med.analysis import medmnist_sample, released_model
+
+    model = released_model(run_dir)
+    saved = torch.load(Path(run_dir) / "model.pt", map_location="cpu", weights_only=False)
+    state = model.state_dict()
+    assert set(state) == set(saved["model"])
+    for name, value in saved["model"].items():
+        assert torch.equal(state[name], value), name
+    x = medmnist_sample(PNEUMONIA, num=4).images
+    assert not model.training
+    assert model(x).shape == (4, 2)
+    with pytest.raises(FileNotFoundError, match=r"lacks config.yaml, model.pt"):
+        released_model(Path(run_dir) / "nowhere")

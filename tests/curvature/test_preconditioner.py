@@ -258,14 +258,14 @@ def test_float32_decompositions_match_float64_on_small_cnn_probes(rank_a):
 
 def test_kron_conv_factor_matches_explicit_kronecker_products(float64):
     """conv_a='kron': U_A = U_C (x) U_K from A's partial traces, checked by brute force."""
-    from dpkfc_med.curvature.preconditioner import KronA, _kron_a
+    from dpkfc_med.curvature.blocks import KronA, kron_a_from_factor
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, 2)  # C = 3, K = 4, bias
     x = torch.randn(5, 7, 3 * 4)
     a_rows = torch.cat([x, torch.ones(5, 7, 1)], dim=-1).reshape(-1, 13)
     a = (a_rows.T @ a_rows / a_rows.shape[0])[None]
-    kron, _ = _kron_a(conv, a, 0.01, torch.float64, torch.float64)
+    kron, _ = kron_a_from_factor(conv, a, 0.01, torch.float64, torch.float64)
     # partial traces by loops
     w = a[0, :12, :12]
     a_c = torch.zeros(3, 3)

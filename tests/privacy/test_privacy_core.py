@@ -444,7 +444,8 @@ def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
             torch.testing.assert_close(p.grad_sample, want[p], msg=name)
         m = raw_norm_samples(len(x))
         assert m == 2  # one in 16 of the batch
-        torch.testing.assert_close(module._dpkfc_raw_sq, raw[:m].pow(2).flatten(1).sum(1))
+        torch.testing.assert_close(pm.raw_norms_sq[module], raw[:m].pow(2).flatten(1).sum(1))
+        assert not hasattr(module, "_dpkfc_raw_sq")  # nothing is stored on the modules
 
 
 def test_empty_poisson_batch_is_a_pure_noise_step(float64):
@@ -557,14 +558,13 @@ def test_layer_snr_is_clipped_sum_norm_over_expected_noise_norm(float64):
 
     summed = summed_clipped(popt, backward)
     d = popt.last_diagnostics
-    names = popt.preconditioner.param_layer_names()
     signal: dict[str, float] = {}
     dims: dict[str, int] = {}
     offset = 0
     for j, p in enumerate(popt.params):
         part = summed[offset : offset + p.numel()]
         offset += p.numel()
-        key = names.get(id(p), getattr(p, "_dpkfc_name", f"param{j}"))
+        key = popt.layer_name(p, j)
         signal[key] = signal.get(key, 0.0) + float(part.pow(2).sum())
         dims[key] = dims.get(key, 0) + p.numel()
     noise = (1.7 * popt.max_grad_norm) ** 2
