@@ -88,12 +88,22 @@ LEVERS: dict[str, dict[str, Any]] = {
     "preconditioner family: diagonal (probe gradient second moment)": {
         "preconditioner": {"family": "diagonal"}
     },
+    # the per-layer evidence: DP-KFC's whitening leaves the first convolution a tiny share of
+    # the clipped norm; two ways to give it back
+    "per-layer scale rule (each layer's median transformed norm equal on probes)": {
+        "preconditioner": {"scaling": "per_layer"}
+    },
+    "weaker input whitening (damping_a 0.1 instead of 0.001)": {
+        "preconditioner": {"damping_a": 0.1}
+    },
 }
 LEVER_METHODS = {
     "K-FAC A only (no G factor)": ("dp-kfc",),
     "probe targets: smooth blobs on a background": ("dp-kfc",),
     "preconditioner family: Shampoo (L^-1/4 g R^-1/4 from probe gradients)": ("dp-kfc",),
     "preconditioner family: diagonal (probe gradient second moment)": ("dp-kfc",),
+    "per-layer scale rule (each layer's median transformed norm equal on probes)": ("dp-kfc",),
+    "weaker input whitening (damping_a 0.1 instead of 0.001)": ("dp-kfc",),
 }
 
 
