@@ -190,6 +190,14 @@ class KronA:
         torch.matmul(x.reshape(split), u_k, out=out.view(split))
         return out
 
+    def matrix(self) -> Tensor:
+        """``[n_a, n_a]`` explicit ``U_A``: ``kron(U_C, U_K)``, then the bias scalar (tests)."""
+        m = torch.kron(self.u_c, self.u_k)
+        if self.u_bias is None:
+            return m
+        bias = torch.full((1, 1), self.u_bias, dtype=m.dtype, device=m.device)
+        return torch.block_diag(m, bias)
+
     def right(self, x: Tensor) -> Tensor:
         """``x [..., n_a] -> x U_A`` on the last dimension."""
         ck = self.u_c.shape[0] * self.u_k.shape[0]
@@ -398,8 +406,14 @@ class KroneckerBlock:
         """``(G, n_a, n_g)``."""
         return self.adapter.dims(self.module)
 
-    def _cost(self, b: int, t: int) -> tuple[float, float]:
-        """Multiply-adds of ``b`` samples' transformed gradients on each path."""
+    def cost(self, b: int, t: int) -> tuple[float, float]:
+        """Multiply-adds of ``b`` samples' transformed gradients at ``t`` positions each.
+
+        Returns:
+            ``(factored, materialized)``: transforming the rows ``a`` and errors ``delta``,
+            or the per-sample gradient. The refresh schedule and the cost benchmark use the
+            same model (:func:`transform_path_macs`).
+        """
         g, n_a, n_g = self.dims
         full_a = self.u_a is not None and self.u_a.dim() == 3
         a_row = full_a * n_a * n_a  # one row times U_A
@@ -416,6 +430,40 @@ class KroneckerBlock:
         base = t * g * n_a * n_g  # the raw outer product, on both paths
         return float(b * (base + factored)), float(b * (base + materialized))
 
+    def _square(self, u: Tensor | None, n: int, like: Tensor) -> Tensor:
+        """A factor as ``[G, n, n]`` (diagonal embedded, ``None`` the identity)."""
+        groups = self.dims[0]
+        if u is None:
+            return torch.eye(n, dtype=like.dtype, device=like.device).repeat(groups, 1, 1)
+        return torch.diag_embed(u) if u.dim() == 2 else u
+
+    def dense(self) -> Tensor:
+        """The block's operator on ``vec(g)`` as one explicit matrix (tests, small layers).
+
+        ``g`` is ``[G, n_g, n_a]`` flattened row-major, so ``vec(U_G X U_A) = (U_G (x)
+        U_A^T) vec(X)``: one such block per group, right-multiplied by ``diag(vec(u_elem))``
+        and times ``s``. Built from the factors, independently of :meth:`transform_grads`.
+
+        Returns:
+            ``[G n_g n_a, G n_g n_a]``.
+        """
+        g, n_a, n_g = self.dims
+        like = next(p for p in self.module.parameters(recurse=False))
+        if self.a_kron is not None:
+            u_a = self.a_kron.matrix().unsqueeze(0)
+        elif self.a_low is not None:
+            u_a = self.a_low.dense()
+        else:
+            u_a = self._square(self.u_a, n_a, like)
+        u_g = self._square(self.u_g, n_g, like)
+        parts = []
+        for k in range(g):
+            m = torch.kron(u_g[k].contiguous(), u_a[k].transpose(0, 1).contiguous())
+            if self.u_elem is not None:
+                m = m * self.u_elem[k].reshape(1, -1)
+            parts.append(m)
+        return self.scale * torch.block_diag(*parts)
+
     def choose_path(self, b: int, t: int) -> str:
         """The cheaper way to form transformed per-sample gradients.
 
@@ -424,7 +472,7 @@ class KroneckerBlock:
         """
         if self.u_elem is not None:  # an elementwise transform needs the per-sample gradient
             return "materialized"
-        factored, materialized = self._cost(b, t)
+        factored, materialized = self.cost(b, t)
         return "factored" if factored <= materialized else "materialized"
 
     def raw_grads(self, x: Tensor, dy: Tensor, chunk: int | None = None) -> Tensor:
@@ -631,6 +679,14 @@ class FallbackBlock:
     diag: Tensor | None = None
     owner: nn.Module | None = field(default=None, repr=False, compare=False)
     """The module holding ``param`` (its raw gradients are captured there for calibration)."""
+
+    def dense(self) -> Tensor:
+        """``[n, n]`` explicit operator on the flattened parameter (``n`` its size; tests)."""
+        p = self.param
+        diag = torch.ones(p.numel(), dtype=p.dtype, device=p.device)
+        if self.diag is not None:
+            diag = diag * self.diag.reshape(-1)
+        return torch.diag(self.scale * diag)
 
     def transform(self, grad_sample: Tensor) -> Tensor:
         """``[B, *param.shape] -> [B, *param.shape]``."""

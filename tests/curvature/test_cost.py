@@ -60,7 +60,7 @@ def test_transform_macs_mirror_the_blocks_path_choice(family):
             assert block.choose_path(1, r.T) == "materialized"
             assert m["transform"] == r.G * r.n_g * r.n_a
             continue
-        factored, materialized = block._cost(1, r.T)
+        factored, materialized = block.cost(1, r.T)
         assert m["transform"] == min(factored, materialized) - base
     if family == "kfac":  # the Linear's 145-wide A is low-rank (rank 8)
         assert pre.blocks["3"].a_low is not None

@@ -122,3 +122,52 @@ def test_family_is_a_config_field_with_a_clear_error(tmp_path):
     assert load_config(cfg, ["preconditioner.family=shampoo"]).preconditioner_config().family
     with pytest.raises(ConfigError, match=r"preconditioner.family.*'kfac', 'shampoo', 'diagonal'"):
         load_config(cfg, ["preconditioner.family=adam"])
+
+
+def _grouped_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.Conv2d(4, 4, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"family": "kfac", "factors": "ag"},
+        {"family": "kfac", "rank_a": 4},
+        {"family": "kfac", "conv_a": "kron"},
+        {"family": "kfac", "max_factor_dim": 8},  # wide factors kept as diagonals
+        {"family": "shampoo"},
+        {"family": "diagonal", "fallback": "diagonal"},
+    ],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_every_block_transform_equals_its_explicit_operator(settings, float64):
+    """dense() (built from the factors) times vec(g) equals transform_grads(g), for every
+    family and U_A form, grouped convolutions included; fallbacks likewise."""
+    torch.manual_seed(3)
+    model = _grouped_net()
+    x, y = torch.randn(12, 2, 4, 4), torch.randint(0, 3, (12,))
+    pre = KroneckerPreconditioner.from_probes(model, x, y, _loss, PreconditionerConfig(**settings))
+    assert set(pre.blocks) == {"0", "2", "5"}
+    if settings.get("conv_a") == "kron":
+        assert pre.blocks["0"].a_kron is not None
+    if settings.get("rank_a"):
+        assert pre.blocks["0"].a_low is not None
+    for name, block in pre.blocks.items():
+        groups, n_a, n_g = block.dims
+        g = torch.randn(5, groups, n_g, n_a)
+        want = torch.einsum("ij,bj->bi", block.dense(), g.reshape(5, -1))
+        torch.testing.assert_close(block.transform_grads(g).reshape(5, -1), want, msg=name)
+        factored, materialized = block.cost(5, 16)
+        assert factored > 0 and materialized > 0
+    assert pre.fallbacks  # the GroupNorm affine
+    for fb in pre.fallbacks.values():
+        g = torch.randn(5, *fb.param.shape)
+        want = torch.einsum("ij,bj->bi", fb.dense(), g.reshape(5, -1))
+        torch.testing.assert_close(fb.transform(g).reshape(5, -1), want, msg=fb.name)
