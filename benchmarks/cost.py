@@ -1410,6 +1410,9 @@ def plan_model(
     if args.kfc_probes is not None:
         kfc["num_probes"] = args.kfc_probes
         notes.append("--kfc-probes given")
+    if args.kfc_family is not None:
+        kfc["family"] = args.kfc_family
+        notes.append(f"--kfc-family {args.kfc_family} given")
     if args.kfc_conv_a is not None:
         kfc["conv_a"] = args.kfc_conv_a
         notes.append(f"--kfc-conv-a {args.kfc_conv_a} given")
@@ -1654,6 +1657,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kfc-chunk", type=int, default=None, help="dp-kfc chunk_size override")
     p.add_argument(
         "--kfc-conv-a", default=None, choices=["full", "kron"], help="dp-kfc conv_a override"
+    )
+    p.add_argument(
+        "--kfc-family",
+        default=None,
+        choices=["kfac", "shampoo", "diagonal"],
+        help="dp-kfc preconditioner family override",
     )
     p.add_argument(
         "--kfc-rank-a",
