@@ -391,6 +391,20 @@ class KroneckerPreconditioner:
         }
 
     # ---------------------------------------------------------------------------- use
+    def fingerprint(self) -> float:
+        """One number that changes with any factor, transform or scale (to compare copies)."""
+        total = 0.0
+        for block in self.blocks.values():
+            parts = [block.u_a, block.u_g, block.u_elem]
+            if block.a_low is not None:
+                parts += [block.a_low.v, block.a_low.vd_t, block.a_low.c]
+            if block.a_kron is not None:
+                parts += [block.a_kron.u_c, block.a_kron.u_k]
+            total += block.scale + sum(float(t.double().sum()) for t in parts if t is not None)
+        for fb in self.fallbacks.values():
+            total += fb.scale + (0.0 if fb.diag is None else float(fb.diag.double().sum()))
+        return total
+
     def module_blocks(self) -> dict[nn.Module, KroneckerBlock]:
         """Covered module -> its block, the mapping the per-sample gradient hooks are handed.
 

@@ -37,6 +37,7 @@ from dpkfc_med.curvature.factors import LossFn, covered_layers
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
+from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World, check_same_on_every_rank
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.rng import SecurePoissonSampler
@@ -118,30 +119,44 @@ def check_loader_sampling(data_loader: DataLoader) -> None:
 
 
 def _poisson_loader(
-    data_loader: DataLoader, *, generator: torch.Generator | None, secure: bool
+    data_loader: DataLoader,
+    *,
+    generator: torch.Generator | None,
+    secure: bool,
+    world: World | None = None,
 ) -> DataLoader:
-    """Poisson-sampled loader with the expected batch size of ``data_loader``."""
+    """Poisson-sampled loader with the expected batch size of ``data_loader``.
+
+    Over several processes (``world``) each rank draws the units it owns
+    (:class:`~dpkfc_med.privacy.distributed.ShardedPoissonSampler`) at the same rate.
+    """
     check_loader_sampling(data_loader)
     dataset = data_loader.dataset
     n = len(dataset)  # type: ignore[arg-type]
     if n == 0:
         raise ValueError("the training split is empty; private training needs at least one unit")
     sample_rate = 1 / len(data_loader)
+    sharded = world is not None and world.distributed
     first = dataset[0]
     if isinstance(first, (tuple, list)):
         dp = DPDataLoader.from_data_loader(data_loader, generator=generator)
-        if not secure:
+        if not secure and not sharded:
             return dp
         collate = dp.collate_fn
     else:  # dict items (MONAI style): the caller's collate must handle an empty list
         collate = data_loader.collate_fn
-    sampler: Any = (
-        SecurePoissonSampler(num_samples=n, sample_rate=sample_rate)
-        if secure
-        else UniformWithReplacementSampler(
+    sampler: Any
+    if sharded:
+        assert world is not None
+        sampler = ShardedPoissonSampler(
+            num_samples=n, sample_rate=sample_rate, world=world, generator=generator, secure=secure
+        )
+    elif secure:
+        sampler = SecurePoissonSampler(num_samples=n, sample_rate=sample_rate)
+    else:
+        sampler = UniformWithReplacementSampler(
             num_samples=n, sample_rate=sample_rate, generator=generator
         )
-    )
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -205,6 +220,7 @@ class PrivacyEngine:
         self.probe_seed = 0
         self.refreshes: list[dict[str, Any]] = []
         self.sample_rate = 0.0
+        self.world = World()
         self.noise_multiplier = 0.0
         self.max_grad_norm = 0.0
 
@@ -292,8 +308,16 @@ class PrivacyEngine:
             gsm = module
         else:
             gsm = PreconditionedGradSampleModule(module, loss_reduction=loss_reduction)
+        self.world = World.current()
+        if self.world.distributed and self.seed is not None:
+            # research runs: each rank's draws are seeded, and differ between ranks
+            self.sample_generator = torch.Generator().manual_seed(
+                self.seed + 1 + 7919 * self.world.rank
+            )
+        if not self.world.is_main:
+            ledger_path = None  # one ledger, rank 0's
         loader = _poisson_loader(
-            data_loader, generator=self.sample_generator, secure=self.secure_mode
+            data_loader, generator=self.sample_generator, secure=self.secure_mode, world=self.world
         )
         self.sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
         n_units = len(data_loader.dataset)  # type: ignore[arg-type]
@@ -304,6 +328,8 @@ class PrivacyEngine:
         self.ledger.meta.update(
             {"sample_rate": self.sample_rate, "units": n_units, "expected_batch_size": expected}
         )
+        if self.world.distributed:
+            self.ledger.meta.update({"world_size": self.world.size, "backend": self.world.backend})
         owners = {
             id(p): (name or p_name, m)
             for name, m in gsm._module.named_modules()
@@ -321,6 +347,7 @@ class PrivacyEngine:
             diagnostics=diagnostics,
             param_owners=owners,
             raw_norms_sq=gsm.raw_norms_sq,
+            world=self.world,
         )
         opt.attach_step_hook(self._record_step)
         self.module, self.optimizer = gsm, opt
@@ -465,6 +492,8 @@ class PrivacyEngine:
                 )
         finally:
             self.module.enable_hooks()
+        if self.world.distributed:
+            check_same_on_every_rank(pre.fingerprint(), "the preconditioner")
         self.module.set_blocks(pre.module_blocks())
         self.optimizer.preconditioner = pre
         self.refreshes.append(

@@ -40,6 +40,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner
+from dpkfc_med.privacy.distributed import World, all_reduce_sum
 from dpkfc_med.privacy.grad_sample import raw_norm_samples
 from dpkfc_med.privacy.rng import secure_normal
 
@@ -112,6 +113,9 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         raw_norms_sq: the per-sample hooks' raw squared norms by module
             (:attr:`~dpkfc_med.privacy.grad_sample.PreconditionedGradSampleModule.
             raw_norms_sq`), read by the diagnostics.
+        world: the training processes (:mod:`.distributed`): rank 0 alone draws the noise,
+            and one all-reduce sums the ranks' clipped sums with it; ``expected_batch_size``
+            is then the global ``q N``. Diagnostics describe this rank's units.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         diagnostics: bool = True,
         param_owners: Mapping[int, tuple[str, nn.Module]] | None = None,
         raw_norms_sq: Mapping[nn.Module, Tensor] | None = None,
+        world: World | None = None,
     ) -> None:
         # Opacus' own secure path needs torchcsprng; ours uses os.urandom (see add_noise).
         super().__init__(
@@ -152,6 +157,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         self.param_owners: Mapping[int, tuple[str, nn.Module]] = param_owners or {}
         self.raw_norms_sq: Mapping[nn.Module, Tensor] = {} if raw_norms_sq is None else raw_norms_sq
         self._fallback_raw_sq: dict[int, Tensor] = {}
+        self.world = world or World()
 
     def layer_name(self, p: nn.Parameter, index: int) -> str:
         """The layer ``p`` belongs to in the diagnostics (``index``: its place in ``params``)."""
@@ -286,17 +292,25 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
     def add_noise(self) -> None:
         """Gaussian noise ``N(0, sigma^2 C^2)``: Opacus' generator, or the OS CSPRNG.
 
-        The pre-noise hooks (:meth:`run_pre_noise_hooks`) run first.
+        The pre-noise hooks (:meth:`run_pre_noise_hooks`) run first. Over several processes
+        only rank 0 draws, and the ranks' sums are then added up (:attr:`world`).
         """
         self.run_pre_noise_hooks()
-        if not self.os_secure:
+        if not self.world.is_main:  # the one draw is rank 0's; this rank adds its clipped sum
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+                p.grad = p.summed_grad.clone().view_as(p)
+                _mark_as_processed(p.summed_grad)
+        elif not self.os_secure:
             super().add_noise()
-            return
-        for p in self.params:
-            _check_processed_flag(p.summed_grad)
-            noise = secure_normal(self.noise_multiplier * self.max_grad_norm, p.summed_grad)
-            p.grad = (p.summed_grad + noise).view_as(p)
-            _mark_as_processed(p.summed_grad)
+        else:
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+                noise = secure_normal(self.noise_multiplier * self.max_grad_norm, p.summed_grad)
+                p.grad = (p.summed_grad + noise).view_as(p)
+                _mark_as_processed(p.summed_grad)
+        if self.world.distributed:
+            all_reduce_sum([p.grad for p in self.params if p.grad is not None])
 
     def scale_grad(self) -> None:
         """Divide by the expected batch size; with ``step="natural"`` multiply by ``P`` once more.

@@ -1,0 +1,239 @@
+"""Private training over 2 gloo processes on loopback: one mechanism, one noise draw, one ledger.
+
+Each test spawns two processes (bounded in time) that run the engine on the same data; the
+results come back through files and are checked against brute force in this process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World
+from dpkfc_med.privacy.engine import PrivacyEngine
+from tests.conftest import GaussianProbes, per_sample_ce
+
+N, BATCH, C = 40, 10, 1.0  # q = 1/4, global expected batch 10
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
+
+
+def _engine(method, model, *, sigma, seed=5, secure=False, ledger=None):
+    x, y = _data()
+    eng = PrivacyEngine(seed=None if secure else seed, secure_mode=secure)
+    pm, popt, loader = eng.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # parameters stay put
+        data_loader=DataLoader(TensorDataset(x, y, torch.arange(N)), batch_size=BATCH),
+        noise_multiplier=sigma,
+        max_grad_norm=C,
+        delta=1e-5,
+        method=method,
+        probe_source=GaussianProbes((12,)),
+        probe_loss=per_sample_ce,
+        ledger_path=ledger,
+    )
+    return eng, pm, popt, loader
+
+
+def _steps(pm, popt, loader, *, steps, zero_loss=False, die_at=None):
+    """Run ``steps`` private steps; record this rank's drawn indices and the released grads."""
+    drawn, grads = [], []
+    it = iter(loader)
+    for k in range(steps):
+        xb, y, idx = next(it)
+        if die_at is not None and k == die_at:
+            os._exit(3)  # a crashed rank: no clean-up, no message
+        popt.zero_grad()
+        out = pm(xb)
+        loss = F.cross_entropy(out, y) if len(idx) else out.sum()  # mean over the local batch
+        (loss * 0.0 if zero_loss else loss).backward()
+        popt.step()
+        drawn.append(idx.tolist())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in pm.parameters()]).clone())
+    return drawn, grads
+
+
+def _worker(rank, port, out, job):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    result: dict = {"rank": rank, "steps": 0}
+    popt = None
+    try:
+        ledger = Path(out) / f"ledger_rank{rank}.json"
+        model = _model()
+        eng, pm, popt, loader = _engine(
+            job["method"],
+            model,
+            sigma=job["sigma"],
+            secure=job.get("secure", False),
+            ledger=ledger,
+        )
+        result["world"] = [eng.world.rank, eng.world.size, eng.world.backend]
+        result["expected_batch_size"] = popt.expected_batch_size
+        result["sample_rate"] = eng.sample_rate
+        drawn, grads = _steps(
+            pm,
+            popt,
+            loader,
+            steps=job["steps"],
+            zero_loss=job.get("zero_loss", False),
+            die_at=job.get("die_at") if rank == 1 else None,
+        )
+        result.update(drawn=drawn, epsilon=eng.get_epsilon(), steps=popt.steps_taken)
+        torch.save(grads, Path(out) / f"grads_rank{rank}.pt")
+        if popt.preconditioner is not None:
+            result["fingerprint"] = popt.preconditioner.fingerprint()
+    except Exception as err:  # the surviving rank of a crash: say what it saw
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["steps"] = 0 if popt is None else popt.steps_taken
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    if "error" not in result:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(tmp_path, job):
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path), job), nprocs=2, join=False, start_method="spawn"
+    )
+    for p in ctx.processes:
+        p.join(timeout=120)
+        assert not p.is_alive(), "a rank did not finish within 120 s"
+    out = {}
+    for rank in (0, 1):
+        f = tmp_path / f"rank{rank}.json"
+        out[rank] = json.loads(f.read_text()) if f.exists() else None
+    return out
+
+
+def _brute(model, x, y, units):
+    """Clipped per-sample gradient sum over ``units`` divided by the global expected batch."""
+    total = None
+    for i in units:
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum").backward()
+        g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        g = g * min(1.0, C / (float(g.norm()) + 1e-6))
+        total = g if total is None else total + g
+    return total / BATCH
+
+
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
+def test_global_clipped_sum_equals_one_process_over_the_union(method, tmp_path):
+    """sigma 0: the released gradient is the clipped sum over both ranks' units / q N."""
+    res = _spawn(tmp_path, {"method": method, "sigma": 0.0, "steps": 3})
+    r0, r1 = res[0], res[1]
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r0["world"] == [0, 2, "gloo"] and r1["world"][:2] == [1, 2]
+    assert r0["expected_batch_size"] == r1["expected_batch_size"] == BATCH  # global q N
+    g0 = torch.load(tmp_path / "grads_rank0.pt")
+    g1 = torch.load(tmp_path / "grads_rank1.pt")
+    x, y = _data()
+    for k in range(3):
+        a, b = r0["drawn"][k], r1["drawn"][k]
+        assert all(i % 2 == 0 for i in a) and all(i % 2 == 1 for i in b)  # owned units only
+        torch.testing.assert_close(g0[k], g1[k], rtol=0, atol=0)  # the same update everywhere
+        if method == "dp-sgd":
+            want = _brute(_model().double(), x.double(), y, a + b)
+            torch.testing.assert_close(g0[k].double(), want, rtol=1e-4, atol=1e-6)
+    if method == "dp-kfc":
+        assert r0["fingerprint"] == pytest.approx(r1["fingerprint"], rel=1e-12)
+    assert r0["epsilon"] > 0 or r0["epsilon"] == float("inf")
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["seeded", "os-entropy"])
+def test_noise_is_drawn_once_and_spent_once(secure, tmp_path):
+    """Zero gradients: the update is pure noise with std sigma C / (q N), not sqrt(2) times
+    that; rank 0 alone keeps the ledger, and spends what one process with N units would."""
+    sigma = 2.0
+    res = _spawn(
+        tmp_path,
+        {"method": "dp-sgd", "sigma": sigma, "steps": 2, "zero_loss": True, "secure": secure},
+    )
+    assert "error" not in res[0] and "error" not in res[1], res
+    g0 = torch.load(tmp_path / "grads_rank0.pt")
+    g1 = torch.load(tmp_path / "grads_rank1.pt")
+    noise = torch.stack(g0)
+    torch.testing.assert_close(noise, torch.stack(g1), rtol=0, atol=0)
+    want = sigma * C / BATCH
+    assert float(noise.std()) == pytest.approx(want, rel=0.08)  # 2 x 643 draws
+    assert not torch.equal(g0[0], g0[1])  # fresh noise every step
+    assert (tmp_path / "ledger_rank0.json").is_file()
+    assert not (tmp_path / "ledger_rank1.json").exists()
+    ledger = json.loads((tmp_path / "ledger_rank0.json").read_text())
+    assert ledger["meta"]["world_size"] == 2 and ledger["meta"]["backend"] == "gloo"
+    assert ledger["steps"] == 2
+    eng, pm, popt, loader = _engine("dp-sgd", _model(), sigma=sigma)
+    _steps(pm, popt, loader, steps=2)
+    assert res[0]["sample_rate"] == eng.sample_rate == 1 / 4
+    assert res[0]["epsilon"] == pytest.approx(eng.get_epsilon(), rel=1e-12)
+
+
+def test_a_crashed_rank_leaves_a_ledger_that_covers_every_release(tmp_path):
+    """Rank 1 dies before step 2: rank 0's all-reduce fails, and its ledger holds step 1."""
+    res = _spawn(tmp_path, {"method": "dp-sgd", "sigma": 1.0, "steps": 3, "die_at": 1})
+    assert res[1] is None  # died without a word
+    assert "error" in res[0] and res[0]["steps"] == 1
+    eng, pm, popt, loader = _engine("dp-sgd", _model(), sigma=1.0)
+    _steps(pm, popt, loader, steps=1)
+    from dpkfc_med.privacy.accounting import PrivacyLedger
+
+    ledger = PrivacyLedger.load(tmp_path / "ledger_rank0.json")
+    assert ledger.epsilon("prv") >= eng.get_epsilon() * (1 - 1e-12)
+
+
+def test_sharded_sampler_is_poisson_over_all_units():
+    """The ranks' shards partition the units; each unit is drawn at rate q; empty steps stay."""
+    n, q = 7, 0.3
+    shards = [
+        ShardedPoissonSampler(
+            num_samples=n,
+            sample_rate=q,
+            world=World(r, 3),
+            generator=torch.Generator().manual_seed(r),
+            steps=4000,
+        )
+        for r in range(3)
+    ]
+    assert sorted(i for s in shards for i in s.shard.tolist()) == list(range(n))
+    counts = torch.zeros(n)
+    empty = 0
+    for s in shards:
+        batches = list(s)
+        assert len(batches) == len(s) == 4000  # no step is skipped
+        empty += sum(1 for b in batches if not b)
+        for b in batches:
+            counts[b] += 1
+    assert empty > 0
+    torch.testing.assert_close(counts / 4000, torch.full((n,), q), atol=0.03, rtol=0)
