@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -37,6 +38,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "ledger and privacy_report.{json,md,html} into the run directory.",
     )
     _add_run_options(t, out_help="run directory (overrides output.dir)")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        help="train over this many local processes (torch.distributed: gloo on CPU, one GPU "
+        "each with NCCL): the units are sharded, each step adds one noise draw; under "
+        "torchrun leave it out",
+    )
     t.add_argument(
         "--resume",
         action="store_true",
@@ -157,10 +165,25 @@ def _load_run_config(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from dpkfc_med.training import distributed
+    from dpkfc_med.training.config import ConfigError
     from dpkfc_med.training.loop import train
 
     cfg = _load_run_config(args)
-    result = train(cfg, resume=args.resume)
+    if args.nproc is not None and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(["--nproc: already running under torchrun; drop --nproc"])
+    if args.nproc is not None and args.nproc != 1:
+        try:
+            result = distributed.train_distributed(cfg, args.nproc, resume=args.resume)
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    elif distributed.init_from_environment(cfg):  # under torchrun
+        result = distributed.train_on_this_rank(cfg, resume=args.resume)
+        if not distributed.World.current().is_main:
+            return 0
+    else:
+        result = train(cfg, resume=args.resume)
     eps = result.epsilon
     test = (result.metrics or {}).get("test") or {}
     print(f"run: {result.run_dir} ({result.status})")

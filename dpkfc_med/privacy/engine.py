@@ -328,8 +328,8 @@ class PrivacyEngine:
         self.ledger.meta.update(
             {"sample_rate": self.sample_rate, "units": n_units, "expected_batch_size": expected}
         )
-        if self.world.distributed:
-            self.ledger.meta.update({"world_size": self.world.size, "backend": self.world.backend})
+        # the processes of this (possibly resumed) part of the run
+        self.ledger.meta.update({"world_size": self.world.size, "backend": self.world.backend})
         owners = {
             id(p): (name or p_name, m)
             for name, m in gsm._module.named_modules()
@@ -570,13 +570,19 @@ class PrivacyEngine:
         if state.get("ledger") is not None:
             path = self.ledger.path if self.ledger else None
             self.ledger = PrivacyLedger.from_dict(state["ledger"], path)
+            # the processes of this part of the run, not of the checkpoint's
+            self.ledger.meta.update({"world_size": self.world.size, "backend": self.world.backend})
             self.ledger.save()
         if self.optimizer is not None:
             self.optimizer.steps_taken = int(state["steps_taken"])
         self.refreshes = list(state.get("refreshes", []))
         if self.noise_generator is not None and state.get("noise_generator") is not None:
             self.noise_generator.set_state(state["noise_generator"])
-        if self.sample_generator is not None and state.get("sample_generator") is not None:
+        if (
+            self.sample_generator is not None
+            and state.get("sample_generator") is not None
+            and not self.world.distributed  # each rank draws its own units, seeded per rank
+        ):
             self.sample_generator.set_state(state["sample_generator"])
         if self.method is Method.DP_KFC and self.optimizer is not None:
             # Rebuild at the restored (released) parameters with the next probe seed.

@@ -784,6 +784,15 @@ def _mechanism(report: Mapping[str, Any]) -> list[Block]:
         ("delta", format_delta(p["delta"])),
         ("Secure RNG", p["secure_rng"]),
     ]
+    procs = p.get("processes") or {}
+    if procs.get("world_size", 1) > 1:
+        rows.append(
+            (
+                "Processes",
+                f"{procs['world_size']} ({procs.get('backend')}): each unit drawn and clipped "
+                "on one rank, one noise draw per step on rank 0, summed by all-reduce",
+            )
+        )
     out: list[Block] = [Heading(2, "Mechanism parameters"), _kv(rows)]
     out += [Heading(3, "Privacy ledger"), *_ledger(p["ledger"])]
     return out

@@ -1048,6 +1048,10 @@ def build_report(
                 "noise_multiplier": min(sigmas),
                 "noise_multipliers": sorted(set(sigmas)),
                 "max_grad_norm": engine.max_grad_norm,
+                "processes": {
+                    "world_size": int(ledger.meta.get("world_size", 1)),
+                    "backend": ledger.meta.get("backend"),
+                },
                 "steps": ledger.steps,
                 "planned_steps": plan["planned_steps"],
                 "epochs": ledger.steps * engine.sample_rate,
