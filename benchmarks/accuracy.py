@@ -420,6 +420,8 @@ def _evidence(data: dict[str, Any], rows: dict[tuple[str, Any], list[dict[str, A
             for layer in d[0].get("mean_layer_snr") or {}:
                 if layer not in layers:
                     layers.append(layer)
+        # runs made before per-layer SNR was recorded have a clipped fraction only
+        snr = [m for m, d in diags.items() if any(x.get("mean_layer_snr") for x in d)]
 
         def mean(values: list[float | None]) -> float | None:
             vals = [v for v in values if v is not None]
@@ -434,12 +436,12 @@ def _evidence(data: dict[str, Any], rows: dict[tuple[str, Any], list[dict[str, A
             + ". SNR = squared norm of the clipped batch sum / expected squared norm of the "
             "noise on the layer:",
             "",
-            "| layer | " + " | ".join(f"SNR {m}" for m in diags) + " |",
-            "|---|" + "---|" * len(diags),
+            "| layer | " + " | ".join(f"SNR {m}" for m in snr) + " |",
+            "|---|" + "---|" * len(snr),
         ]
         for layer in layers:
             cells = []
-            for d in diags.values():
+            for d in (diags[m] for m in snr):
                 v = mean([(x.get("mean_layer_snr") or {}).get(layer) for x in d])
                 cells.append("-" if v is None else f"{v:.3g}")
             out.append(f"| {layer} | " + " | ".join(cells) + " |")

@@ -10,7 +10,12 @@ from nbclient import NotebookClient
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 # notebooks that test a claim: they open with what they test and close with what they found
-CLAIM_NOTEBOOKS = ("01_probe_spectra", "02_synthetic_vs_oracle", "03_snr_per_layer")
+CLAIM_NOTEBOOKS = (
+    "01_probe_spectra",
+    "02_synthetic_vs_oracle",
+    "03_snr_per_layer",
+    "04_public_proxy_shift",
+)
 
 
 def _figures() -> dict[str, float]:
