@@ -318,22 +318,25 @@ class LowRankA:
         *,
         layer: str = "",
         record: list[EighFallback] | None = None,
+        power: float = 0.5,
+        part: str = "A",
     ) -> tuple[LowRankA, Tensor]:
         """From ``A [G, n, n]`` (``n > rank``); also returns the eigenvalues ``[G, n]``.
 
         Decomposed in ``factor``'s dtype; the operator is built in ``out_dtype`` (default the
-        same), once. A decomposition failure falls back as
-        :func:`~dpkfc_med.curvature.linalg.robust_eigh` describes (the last resort gives
-        ``U_A = c I``), recorded in ``record`` as part ``"A"`` of ``layer``.
+        same), once. ``power``: the operator is ``A^{-power}`` on the kept directions and
+        the tail (1/2 for K-FAC; Shampoo's ``R`` takes its exponent ``p``). A decomposition
+        failure falls back as :func:`~dpkfc_med.curvature.linalg.robust_eigh` describes (the
+        last resort gives ``U_A = c I``), recorded in ``record`` as ``part`` of ``layer``.
         """
-        evals, evecs = robust_eigh(factor, layer=layer, part="A", record=record)
+        evals, evecs = robust_eigh(factor, layer=layer, part=part, record=record)
         lam = evals.clamp_min(0)
         lam = lam + damping * lam.mean(-1, keepdim=True)
         # an all-zero factor (a layer the probes do not reach) maps to the identity
         lam = torch.where(lam > 0, lam, torch.ones_like(lam))
         n = lam.shape[-1]
-        c = lam[:, : n - rank].mean(-1).rsqrt()
-        d = lam[:, n - rank :].rsqrt() - c[:, None]
+        c = lam[:, : n - rank].mean(-1).pow(-power)
+        d = lam[:, n - rank :].pow(-power) - c[:, None]
         dt = out_dtype or factor.dtype
         v = evecs[:, :, n - rank :].to(dt).contiguous()
         return cls(v, d.to(dt), c.to(dt)), evals

@@ -50,6 +50,10 @@ class PreconditionerConfig:
             ``rank_a`` and ``conv_a`` are K-FAC settings.
         shampoo_exponent: ``p`` of the Shampoo transform (1/4: the two sides together give
             the inverse square root of a Kronecker approximation of ``E[vec(g) vec(g)^T]``).
+        shampoo_rank: ``null`` (default: every full ``R^{-p}`` dense) or ``r``: a full ``R``
+            wider than ``r`` keeps its top ``r`` eigenpairs and the rest at their mean
+            eigenvalue (``c I + V diag(d) V^T``, as ``rank_a`` does for K-FAC's ``A``), so a
+            wide layer's transform costs ``2 r n_a`` instead of ``n_a^2`` per row.
         factors: ``"a"`` (default: activation whitening only), ``"ag"`` or ``"identity"``.
             The default follows the benchmarks (``benchmarks/results``): on PneumoniaMNIST
             the probe ``G`` factors are nearly rank-deficient (two classes) and full A+G with
@@ -126,6 +130,7 @@ class PreconditionerConfig:
     step: str = "transformed"
     family: Family | str = Family.KFAC
     shampoo_exponent: float = 0.25
+    shampoo_rank: int | None = None
 
     def __post_init__(self) -> None:
         self.family = check_choice("preconditioner.family", self.family, Family)
@@ -147,11 +152,12 @@ class PreconditionerConfig:
             problems.append(
                 f"preconditioner.max_positions={v!r}: must be a positive integer or null (all)"
             )
-        v = self.rank_a
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            problems.append(
-                f"preconditioner.rank_a={v!r}: must be a positive integer or null (dense U_A)"
-            )
+        for key, what in (("rank_a", "dense U_A"), ("shampoo_rank", "dense R^-p")):
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                problems.append(
+                    f"preconditioner.{key}={v!r}: must be a positive integer or null ({what})"
+                )
         if self.conv_a not in ("full", "kron"):
             problems.append(f"preconditioner.conv_a={self.conv_a!r}: use 'full' or 'kron'")
         if self.step not in ("transformed", "natural"):

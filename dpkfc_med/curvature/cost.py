@@ -163,7 +163,8 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
     :func:`~dpkfc_med.curvature.preconditioner.transform_path_macs` the blocks choose it by;
     transposed convolutions form raw gradients on their input grid and always transform them
     (``n_g^2 n_a + n_g n_a^2``). Shampoo counts both sides as full matrices where they fit
-    ``max_factor_dim``; the diagonal family one elementwise product of the gradient.
+    ``max_factor_dim`` (``R`` low rank under ``shampoo_rank``); the diagonal family one
+    elementwise product of the gradient.
 
     Args:
         rows: :func:`layer_footprint`.
@@ -180,8 +181,9 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
         full_a = _full(n_a, factors, max_dim)
         full_g = factors == "ag" and n_g <= max_dim
         a_row = full_a * n_a * n_a  # one row times U_A
-        rank = low_rank_of(n_a, cfg.get("rank_a"))
-        if family == "kfac" and full_a and rank and not _kron(r, cfg, full_a):
+        rank = low_rank_of(n_a, cfg.get("shampoo_rank" if family == "shampoo" else "rank_a"))
+        low = family == "shampoo" or (family == "kfac" and not _kron(r, cfg, full_a))
+        if full_a and rank and low:
             a_row = 2 * n_a * rank  # c I + V diag(d) V^T
         factored, materialized = transform_path_macs(
             positions=t, groups=g, n_a=n_a, n_g=n_g, a_row=a_row, full_g=full_g

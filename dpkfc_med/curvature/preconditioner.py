@@ -247,15 +247,30 @@ class KroneckerPreconditioner:
                         record=eig_fallbacks,
                         power=pw,
                     )
-                    u_a, ev_a = inverse_sqrt_with_spectrum(
-                        st.right.to(dt),
-                        cfg.damping_a,
-                        layer=name,
-                        part="R",
-                        record=eig_fallbacks,
-                        power=pw,
-                    )
-                    u_g, u_a = u_g.to(ref_p.dtype), u_a.to(ref_p.dtype)
+                    if st.right.dim() == 3 and (
+                        rank := low_rank_of(st.right.shape[-1], cfg.shampoo_rank)
+                    ):
+                        a_low, ev_a = LowRankA.from_factor(
+                            st.right.to(dt),
+                            cfg.damping_a,
+                            rank,
+                            ref_p.dtype,
+                            layer=name,
+                            record=eig_fallbacks,
+                            power=pw,
+                            part="R",
+                        )
+                    else:
+                        u_a, ev_a = inverse_sqrt_with_spectrum(
+                            st.right.to(dt),
+                            cfg.damping_a,
+                            layer=name,
+                            part="R",
+                            record=eig_fallbacks,
+                            power=pw,
+                        )
+                        u_a = u_a.to(ref_p.dtype)
+                    u_g = u_g.to(ref_p.dtype)
                     spectra[name] = {"L": _spectrum_stats(ev_g), "R": _spectrum_stats(ev_a)}
             elif name in factors:
                 f = factors[name]

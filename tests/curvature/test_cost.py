@@ -36,7 +36,7 @@ def test_layer_footprint_counts_positions_and_factor_sizes():
     assert (lin.T, lin.n_a, lin.n_g, lin.K) == (1, 301, 5, 1)
 
 
-@pytest.mark.parametrize("family", ["kfac", "shampoo", "diagonal"])
+@pytest.mark.parametrize("family", ["kfac", "shampoo", "shampoo-lowrank", "diagonal"])
 def test_transform_macs_mirror_the_blocks_path_choice(family):
     """Per layer, the estimate equals the cheaper of the block's own two path costs (one
     elementwise product per weight for the diagonal family)."""
@@ -44,8 +44,15 @@ def test_transform_macs_mirror_the_blocks_path_choice(family):
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3)
     )
+    low = family == "shampoo-lowrank"
+    family = "shampoo" if low else family
     cfg = PreconditionerConfig(
-        num_probes=8, calibration_samples=2, factors="ag", family=family, rank_a=8
+        num_probes=8,
+        calibration_samples=2,
+        factors="ag",
+        family=family,
+        rank_a=8,
+        shampoo_rank=8 if low else None,
     )
     x = torch.randn(8, 2, 6, 6)
     pre = KroneckerPreconditioner.from_probes(
@@ -62,8 +69,10 @@ def test_transform_macs_mirror_the_blocks_path_choice(family):
             continue
         factored, materialized = block.cost(1, r.T)
         assert m["transform"] == min(factored, materialized) - base
-    if family == "kfac":  # the Linear's 145-wide A is low-rank (rank 8)
+    if family == "kfac" or low:  # the Linear's 145-wide A (or R) is low-rank (rank 8)
         assert pre.blocks["3"].a_low is not None
+    elif family == "shampoo":  # rank_a is a K-FAC setting
+        assert pre.blocks["3"].a_low is None
 
 
 def test_refresh_macs_hand_count_for_one_linear_layer():

@@ -143,6 +143,7 @@ def _grouped_net() -> nn.Module:
         {"family": "kfac", "conv_a": "kron"},
         {"family": "kfac", "max_factor_dim": 8},  # wide factors kept as diagonals
         {"family": "shampoo"},
+        {"family": "shampoo", "shampoo_rank": 3},
         {"family": "diagonal", "fallback": "diagonal"},
     ],
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
@@ -171,3 +172,26 @@ def test_every_block_transform_equals_its_explicit_operator(settings, float64):
         g = torch.randn(5, *fb.param.shape)
         want = torch.einsum("ij,bj->bi", fb.dense(), g.reshape(5, -1))
         torch.testing.assert_close(fb.transform(g).reshape(5, -1), want, msg=fb.name)
+
+
+def test_low_rank_shampoo_right_factor_is_top_eigenpairs_plus_mean_tail(float64):
+    """shampoo_rank r: R^{-p} keeps R's top r eigenpairs; the tail shares its mean eigenvalue."""
+    model, x, y = _setup()
+    brute = _per_sample(model, x, y)
+    cfg = PreconditionerConfig(family="shampoo", damping_a=0.05, shampoo_rank=4)
+    pre = KroneckerPreconditioner.from_probes(model, x, y, _loss, cfg)
+    g = brute["5"]  # the Linear: R is 129 x 129
+    right = torch.einsum("moi,moj->ij", g, g) / len(g)
+    lam, vec = torch.linalg.eigh(right)
+    lam = lam.clamp_min(0)
+    lam = lam + 0.05 * lam.mean()
+    tail = lam[:-4].mean()
+    want = (
+        tail**-0.25 * torch.eye(len(lam))
+        + (vec[:, -4:] * (lam[-4:] ** -0.25 - tail**-0.25)) @ vec[:, -4:].T
+    )
+    block = pre.blocks["5"]
+    assert block.a_low is not None and block.a_low.rank == 4 and block.u_a is None
+    torch.testing.assert_close(block.a_low.dense()[0], want)
+    row = {r["layer"]: r for r in pre.coverage()}["5"]
+    assert row["A"] == "rank 4 + tail"
