@@ -52,6 +52,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "or from its ledger alone); a changed training.epochs re-plans the remaining steps, "
         "other changes to the mechanism, model or data are refused",
     )
+    f = sub.add_parser(
+        "federated",
+        help="train over N federated sites with Flower (FedAvg), each site privately",
+        description="Start a Flower server and N site clients on loopback; site k trains on "
+        "every N-th unit of the training split with the config's method, its own Poisson "
+        "sampling and ledger, its target epsilon spread over all rounds. Writes OUT/site_k/ "
+        "(each site's run directory and privacy report) and OUT/server/ (the federated model, "
+        "federated.json and federated.md).",
+    )
+    _add_run_options(f, out_help="the federated run's folder (overrides output.dir)")
+    f.add_argument("--sites", type=int, required=True, help="number of sites (>= 2)")
+    f.add_argument("--rounds", type=int, required=True, help="FedAvg rounds")
+    f.add_argument("--local-epochs", type=int, default=1, help="epochs per site and round")
     a = sub.add_parser(
         "audit",
         help="empirical lower bound on epsilon from one training run with canaries",
@@ -235,6 +248,23 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _federated(args: argparse.Namespace) -> int:
+    from dpkfc_med.training.federated import run_federated
+
+    cfg = _load_run_config(args)
+    try:
+        rec = run_federated(
+            cfg, sites=args.sites, rounds=args.rounds, local_epochs=args.local_epochs
+        )
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for m in rec["history"][-1]["sites"]:
+        print(f"site {m['site']}: epsilon = {m['epsilon']:.3f} ({m['steps']} noisy steps)")
+    print(f"federated model: {cfg.run_dir() / 'server' / 'model.pt'}")
+    return 0
+
+
 def _bundle(args: argparse.Namespace) -> int:
     from dpkfc_med.bundle import export_bundle
 
@@ -252,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {
         "train": _train,
+        "federated": _federated,
         "audit": _audit,
         "evaluate": _evaluate,
         "report": _report,

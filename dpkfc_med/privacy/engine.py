@@ -462,13 +462,18 @@ class PrivacyEngine:
             )
         return px
 
-    def refresh_preconditioner(self) -> KroneckerPreconditioner:
-        """Rebuild the preconditioner from fresh probes at the current parameters."""
+    def refresh_preconditioner(self, seed: int | None = None) -> KroneckerPreconditioner:
+        """Rebuild the preconditioner from fresh probes at the current parameters.
+
+        Args:
+            seed: probe seed (a public number); default ``probe_seed`` plus the number of
+                refreshes so far.
+        """
         assert self.module is not None and self.optimizer is not None
         assert self.preconditioner_config is not None and self.probe_loss is not None
         model = self._probe_module()
         ref = next(model.parameters())
-        seed = self.probe_seed + len(self.refreshes)
+        seed = self.probe_seed + len(self.refreshes) if seed is None else seed
         assert self.probe_source is not None  # checked in make_private
         t0 = time.perf_counter()
         self.module.disable_hooks()

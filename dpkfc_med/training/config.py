@@ -104,6 +104,9 @@ class DataConfig:
             ``dataset.json`` declares no labels). Classification: labels outside
             ``0..num_classes-1`` are refused (default: ``medmnist.INFO`` for a MedMNIST file
             name, else the largest label + 1).
+        shard: ``[k, n]``: train on every ``n``-th unit of the training split starting at
+            ``k`` (site ``k`` of ``n`` in ``dpkfc-med federated``, which sets it); the units
+            outside the shard are not used, and the privacy unit count is the shard's.
     """
 
     path: str = ""
@@ -119,6 +122,7 @@ class DataConfig:
     resize: list[int] | None = None
     unit_ids: str | None = None
     num_classes: int | None = None
+    shard: list[int] | None = None
 
 
 @dataclass

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from dpkfc_med.data import MedMNISTDataset, load_medmnist, resolve_data_path, sha256_file
 from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
@@ -554,6 +554,17 @@ def _data_field_problems(cfg: RunConfig) -> list[str]:
             )
     if d.num_classes is not None and (isinstance(d.num_classes, bool) or d.num_classes < 2):
         problems.append(f"data.num_classes={d.num_classes!r}: must be an integer >= 2 (or null)")
+    if d.shard is not None:
+        ok = (
+            isinstance(d.shard, list | tuple)
+            and len(d.shard) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in d.shard)
+            and 0 <= d.shard[0] < d.shard[1]
+        )
+        if not ok:
+            problems.append(
+                f"data.shard={d.shard!r}: must be [k, n] with 0 <= k < n (site k of n), or null"
+            )
     return problems
 
 
@@ -582,6 +593,16 @@ def build_task(
     if builder is None:
         raise ConfigError([f"data.task={cfg.data.task!r}: no pipeline registered"])
     task = builder(cfg, None if data_path is None else str(data_path))
+    if cfg.data.shard is not None:
+        k, n = cfg.data.shard
+        units = len(task.train_set)  # type: ignore[arg-type]
+        if n > units:
+            raise ConfigError(
+                [f"data.shard={[k, n]}: {n} shards of {units} training units leave some empty"],
+                "data",
+            )
+        task.train_set = Subset(task.train_set, list(range(k, units, n)))
+        task.data_record["shard"] = {"site": k, "sites": n, "units_of_all_sites": units}
     if public_probes and cfg.method_enum is Method.DP_KFC_PUBLIC:
         task.extra["public_source"] = task.probe_source(cfg)
     return task

@@ -73,23 +73,15 @@ def _steps(pm, popt, loader, *, steps, zero_loss=False, die_at=None):
     return drawn, grads
 
 
-def _worker(rank, port, out, job):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=20),
-    )
+def _run_job(rank, out, job):
+    out.mkdir(parents=True, exist_ok=True)
     result: dict = {"rank": rank, "steps": 0}
     popt = None
     try:
-        ledger = Path(out) / f"ledger_rank{rank}.json"
-        model = _model()
+        ledger = out / f"ledger_rank{rank}.json"
         eng, pm, popt, loader = _engine(
             job["method"],
-            model,
+            _model(),
             sigma=job["sigma"],
             secure=job.get("secure", False),
             ledger=ledger,
@@ -106,14 +98,28 @@ def _worker(rank, port, out, job):
             die_at=job.get("die_at") if rank == 1 else None,
         )
         result.update(drawn=drawn, epsilon=eng.get_epsilon(), steps=popt.steps_taken)
-        torch.save(grads, Path(out) / f"grads_rank{rank}.pt")
+        torch.save(grads, out / f"grads_rank{rank}.pt")
         if popt.preconditioner is not None:
             result["fingerprint"] = popt.preconditioner.fingerprint()
     except Exception as err:  # the surviving rank of a crash: say what it saw
         result["error"] = f"{type(err).__name__}: {err}"
         result["steps"] = 0 if popt is None else popt.steps_taken
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
-    if "error" not in result:
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return "error" not in result
+
+
+def _worker(rank, port, out, jobs):
+    """Both ranks run every job in turn, in one process group (one spawn for many checks)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    ok = all([_run_job(rank, Path(out) / name, job) for name, job in jobs.items()])
+    if ok:
         dist.destroy_process_group()
 
 
@@ -123,18 +129,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(tmp_path, job):
+def _spawn(folder, jobs):
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(tmp_path), job), nprocs=2, join=False, start_method="spawn"
+        _worker, args=(_free_port(), str(folder), jobs), nprocs=2, join=False, start_method="spawn"
     )
     for p in ctx.processes:
-        p.join(timeout=120)
-        assert not p.is_alive(), "a rank did not finish within 120 s"
+        p.join(timeout=180)
+        assert not p.is_alive(), "a rank did not finish within 180 s"
     out = {}
-    for rank in (0, 1):
-        f = tmp_path / f"rank{rank}.json"
-        out[rank] = json.loads(f.read_text()) if f.exists() else None
+    for name in jobs:
+        out[name] = {}
+        for rank in (0, 1):
+            f = folder / name / f"rank{rank}.json"
+            out[name][rank] = json.loads(f.read_text()) if f.exists() else None
     return out
+
+
+JOBS = {
+    "sum-dp-sgd": {"method": "dp-sgd", "sigma": 0.0, "steps": 3},
+    "sum-dp-kfc": {"method": "dp-kfc", "sigma": 0.0, "steps": 3},
+    "noise-seeded": {"method": "dp-sgd", "sigma": 2.0, "steps": 2, "zero_loss": True},
+    "noise-os-entropy": {
+        "method": "dp-sgd",
+        "sigma": 2.0,
+        "steps": 2,
+        "zero_loss": True,
+        "secure": True,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every job of :data:`JOBS` on 2 gloo processes: ``(folder, results)``."""
+    folder = tmp_path_factory.mktemp("dist")
+    return folder, _spawn(folder, JOBS)
 
 
 def _brute(model, x, y, units):
@@ -150,10 +179,11 @@ def _brute(model, x, y, units):
 
 
 @pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
-def test_global_clipped_sum_equals_one_process_over_the_union(method, tmp_path):
+def test_global_clipped_sum_equals_one_process_over_the_union(method, two_ranks):
     """sigma 0: the released gradient is the clipped sum over both ranks' units / q N."""
-    res = _spawn(tmp_path, {"method": method, "sigma": 0.0, "steps": 3})
-    r0, r1 = res[0], res[1]
+    folder, results = two_ranks
+    tmp_path = folder / f"sum-{method}"
+    r0, r1 = results[f"sum-{method}"][0], results[f"sum-{method}"][1]
     assert "error" not in r0 and "error" not in r1, (r0, r1)
     assert r0["world"] == [0, 2, "gloo"] and r1["world"][:2] == [1, 2]
     assert r0["expected_batch_size"] == r1["expected_batch_size"] == BATCH  # global q N
@@ -173,14 +203,13 @@ def test_global_clipped_sum_equals_one_process_over_the_union(method, tmp_path):
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["seeded", "os-entropy"])
-def test_noise_is_drawn_once_and_spent_once(secure, tmp_path):
+def test_noise_is_drawn_once_and_spent_once(secure, two_ranks):
     """Zero gradients: the update is pure noise with std sigma C / (q N), not sqrt(2) times
     that; rank 0 alone keeps the ledger, and spends what one process with N units would."""
     sigma = 2.0
-    res = _spawn(
-        tmp_path,
-        {"method": "dp-sgd", "sigma": sigma, "steps": 2, "zero_loss": True, "secure": secure},
-    )
+    name = "noise-os-entropy" if secure else "noise-seeded"
+    folder, results = two_ranks
+    tmp_path, res = folder / name, results[name]
     assert "error" not in res[0] and "error" not in res[1], res
     g0 = torch.load(tmp_path / "grads_rank0.pt")
     g1 = torch.load(tmp_path / "grads_rank1.pt")
@@ -202,7 +231,9 @@ def test_noise_is_drawn_once_and_spent_once(secure, tmp_path):
 
 def test_a_crashed_rank_leaves_a_ledger_that_covers_every_release(tmp_path):
     """Rank 1 dies before step 2: rank 0's all-reduce fails, and its ledger holds step 1."""
-    res = _spawn(tmp_path, {"method": "dp-sgd", "sigma": 1.0, "steps": 3, "die_at": 1})
+    res = _spawn(tmp_path, {"crash": {"method": "dp-sgd", "sigma": 1.0, "steps": 3, "die_at": 1}})
+    res = res["crash"]
+    tmp_path = tmp_path / "crash"
     assert res[1] is None  # died without a word
     assert "error" in res[0] and res[0]["steps"] == 1
     eng, pm, popt, loader = _engine("dp-sgd", _model(), sigma=1.0)

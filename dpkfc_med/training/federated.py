@@ -1,0 +1,306 @@
+"""Federated sites through Flower: ``dpkfc-med federated CONFIG --sites N --rounds R``.
+
+Each site is a Flower client that trains privately on its own units with this package's full
+training loop (DP-SGD or DP-KFC, its own Poisson sampling, ledger, checkpoints and privacy
+report); a Flower server averages the sites' released models (FedAvg) and sends the average
+back for the next round. On one machine (the demo and the tests) site ``k`` of ``N`` holds
+every ``N``-th unit of the training split (``data.shard``), and the server and the sites talk
+over loopback only.
+
+Privacy, per site:
+    A site's plan spreads its target epsilon over all its rounds: the noise is calibrated once
+    for ``rounds * local_epochs`` epochs of its own units, and its ledger (written before each
+    update, so a site that drops out never under-reports) composes every round. What leaves a
+    site is its released model (post-processing of its mechanism); the global model it
+    receives depends only on other sites' releases. A unit belongs to one site, so each site's
+    guarantee is about its own units.
+
+Probes are data-free: every site rebuilds its preconditioner from the same probes at the
+global model it receives, so the sites' preconditioners agree at the start of each round; the
+server checks their fingerprints.
+
+Transport: Flower's ``start_server`` / ``start_client`` over gRPC on loopback (deprecated in
+Flower 1.x in favour of SuperLink deployments, still shipped; its deprecation notices are
+silenced here). Needs the ``federated`` extra (``pip install "dpkfc-med[federated]"``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from dpkfc_med.training.config import ConfigError, RunConfig
+
+__all__ = ["run_federated"]
+
+log = logging.getLogger(__name__)
+
+ROUND_SEED = 1_000_003
+"""Round ``r`` starts from probes of seed ``probes.seed + r * ROUND_SEED`` on every site."""
+
+ROUND_TIMEOUT_S = 3600.0
+"""A round whose sites have not all answered by then ends without them."""
+
+
+def _site_config(cfg: RunConfig, site: int, sites: int, rounds: int, local: int, out: Path) -> Any:
+    return replace(
+        cfg,
+        name=f"site_{site}",
+        data=replace(cfg.data, shard=[site, sites]),
+        training=replace(cfg.training, epochs=rounds * local, eval_every=local, progress=False),
+        # data-free pretraining happens once, on the server, before round 1
+        pretrain=replace(cfg.pretrain, steps=0),
+        output=replace(cfg.output, dir=str(out / f"site_{site}")),
+    )
+
+
+def _quiet_flower() -> None:
+    logging.getLogger("flwr").setLevel(logging.ERROR)
+
+
+def _site_main(site: int, port: int, cfg: RunConfig, local: int, threads: int) -> None:
+    import flwr
+
+    _quiet_flower()
+    from dpkfc_med.training.loop import train
+
+    torch.set_num_threads(threads)
+
+    class Site(flwr.client.NumPyClient):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.round = 0
+
+        def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> Any:
+            self.round += 1
+            seen: dict[str, Any] = {}
+
+            def start_from_global(engine: Any, popt: Any) -> None:
+                model = engine.module._module
+                keys = list(model.state_dict())
+                model.load_state_dict(
+                    {k: torch.as_tensor(a) for k, a in zip(keys, parameters, strict=True)}
+                )
+                if engine.method.value == "dp-kfc":
+                    # probes at the global model, seeded by the round: the same on every site
+                    pre = engine.refresh_preconditioner(
+                        seed=cfg.probes.seed + ROUND_SEED * self.round
+                    )
+                    seen["fingerprint"] = pre.fingerprint()
+                seen["keys"] = keys
+
+            res = train(
+                cfg, resume=self.round > 1, stop_after_epochs=local, instrument=start_from_global
+            )
+            ck = torch.load(res.run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+            out = [ck["model"][k].detach().cpu().numpy() for k in seen["keys"]]
+            p = res.report.get("privacy", {})
+            return (
+                out,
+                int(res.report["data"]["num_train_units"]),
+                {
+                    "site": site,
+                    "epsilon": float(p.get("epsilon", {}).get("prv", math.nan)),
+                    "steps": int(p.get("steps", 0)),
+                    "status": res.status,
+                    "fingerprint": float(seen.get("fingerprint", 0.0)),
+                },
+            )
+
+    flwr.client.start_client(server_address=f"127.0.0.1:{port}", client=Site().to_client())
+
+
+def _server_main(port: int, sites: int, rounds: int, server_dir: str) -> None:
+    import flwr
+
+    _quiet_flower()
+    folder = Path(server_dir)
+    with np.load(folder / "initial.npz") as z:
+        initial = [z[f"arr_{i}"] for i in range(len(z.files))]
+    history: list[dict[str, Any]] = []
+    latest: dict[str, Any] = {}
+
+    class Strategy(flwr.server.strategy.FedAvg):  # type: ignore[misc]
+        def aggregate_fit(self, server_round: int, results: Any, failures: Any) -> Any:
+            if not results or failures:
+                raise RuntimeError(f"round {server_round}: {len(failures)} site(s) failed")
+            params, metrics = super().aggregate_fit(server_round, results, failures)
+            rows = sorted((dict(r.metrics) for _, r in results), key=lambda m: m["site"])
+            fps = [m["fingerprint"] for m in rows]
+            if max(fps) - min(fps) > 1e-6 * max(1.0, abs(max(fps))):
+                raise RuntimeError(
+                    f"round {server_round}: the sites' preconditioners differ ({fps}); every "
+                    "site must run the same code and config"
+                )
+            history.append({"round": server_round, "sites": rows})
+            latest["params"] = params
+            return params, metrics
+
+    flwr.server.start_server(
+        server_address=f"127.0.0.1:{port}",
+        config=flwr.server.ServerConfig(num_rounds=rounds, round_timeout=ROUND_TIMEOUT_S),
+        strategy=Strategy(
+            fraction_fit=1.0,
+            fraction_evaluate=0.0,
+            min_fit_clients=sites,
+            min_available_clients=sites,
+            initial_parameters=flwr.common.ndarrays_to_parameters(initial),
+            accept_failures=False,
+        ),
+    )
+    if len(history) < rounds:
+        raise RuntimeError(f"only {len(history)} of {rounds} rounds completed")
+    np.savez(folder / "final.npz", *flwr.common.parameters_to_ndarrays(latest["params"]))
+    (folder / "history.json").write_text(json.dumps(history, default=str))
+
+
+def _watch(procs: list[Any], poll_s: float = 1.0) -> None:
+    """Wait for the server (``procs[0]``) and the sites; any failure stops them all."""
+    while any(p.is_alive() for p in procs):
+        failed = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+        if failed:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            names = ["server" if p is procs[0] else f"site {procs.index(p) - 1}" for p in failed]
+            raise RuntimeError(
+                f"federated training stopped: {', '.join(names)} exited with code "
+                f"{failed[0].exitcode}; each site's ledger covers every update it made"
+            )
+        procs[0].join(timeout=poll_s)
+    if procs[0].exitcode != 0:
+        raise RuntimeError(
+            f"federated training stopped: the server exited with {procs[0].exitcode}"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_federated(
+    cfg: RunConfig, *, sites: int, rounds: int, local_epochs: int = 1
+) -> dict[str, Any]:
+    """Train ``cfg`` over ``sites`` Flower clients for ``rounds`` FedAvg rounds (loopback).
+
+    Writes ``OUT/site_k/`` (each site's run directory: ledger, checkpoint, privacy report),
+    and ``OUT/server/`` (the federated model ``model.pt`` and ``federated.json`` /
+    ``federated.md``: per-round site epsilons and fingerprints, the federated model's test
+    metrics), ``OUT`` being ``cfg.run_dir()``.
+
+    Returns:
+        The ``federated.json`` record.
+
+    Raises:
+        ConfigError: a non-private method, fewer than 2 sites, or fewer than 1 round.
+        RuntimeError: the sites' preconditioners disagree, or a round got no results.
+    """
+    from dpkfc_med.training.loop import _pretrain, build_run_model
+    from dpkfc_med.training.tasks import build_task
+
+    problems = []
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        problems.append('federated training needs Flower: pip install "dpkfc-med[federated]"')
+    if not cfg.method_enum.private:
+        problems.append(
+            f"method={cfg.method_enum.value}: federated sites train privately; use dp-sgd or dp-kfc"
+        )
+    if sites < 2:
+        problems.append(f"--sites {sites}: use 2 or more")
+    if rounds < 1 or local_epochs < 1:
+        problems.append(f"--rounds {rounds} / --local-epochs {local_epochs}: must be >= 1")
+    if problems:
+        raise ConfigError(problems)
+    out = cfg.run_dir()
+    server_dir = out / "server"
+    server_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.training.seed)
+    task = build_task(cfg, public_probes=False)
+    model, _ = build_run_model(cfg, task)
+    pretrain = _pretrain(cfg, task, model, torch.device("cpu")) if cfg.pretrain.steps else None
+    keys = list(model.state_dict())
+    np.savez(
+        server_dir / "initial.npz", *[v.detach().cpu().numpy() for v in model.state_dict().values()]
+    )
+    port = _free_port()
+    threads = max(1, (cfg.training.threads or os.cpu_count() or 1) // sites)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_server_main, args=(port, sites, rounds, str(server_dir)))]
+    procs += [
+        ctx.Process(
+            target=_site_main,
+            args=(
+                k,
+                port,
+                _site_config(cfg, k, sites, rounds, local_epochs, out),
+                local_epochs,
+                threads,
+            ),
+        )
+        for k in range(sites)
+    ]
+    for proc in procs:
+        proc.start()
+    _watch(procs)
+    history = json.loads((server_dir / "history.json").read_text())
+    with np.load(server_dir / "final.npz") as z:
+        final = [z[f"arr_{i}"] for i in range(len(keys))]
+    (server_dir / "initial.npz").unlink()
+    (server_dir / "final.npz").unlink()
+    model.load_state_dict({k: torch.as_tensor(a) for k, a in zip(keys, final, strict=True)})
+    torch.save({"model": model.state_dict(), "keys": keys}, server_dir / "model.pt")
+    metrics = task.evaluate(
+        model.eval(), "test", torch.device("cpu"), cfg.training.eval_batch_size, full=True
+    )
+    record = {
+        "sites": sites,
+        "rounds": rounds,
+        "local_epochs": local_epochs,
+        "method": cfg.method_enum.value,
+        "target_epsilon_per_site": cfg.privacy.target_epsilon,
+        "site_dirs": [str(out / f"site_{k}") for k in range(sites)],
+        "history": history,
+        "pretrain": pretrain,
+        "test": {
+            k: v for k, v in metrics.items() if isinstance(v, int | float | str | dict | list)
+        },
+        "note": "each site's guarantee covers its own units; see site_k/privacy_report.md",
+    }
+    (server_dir / "federated.json").write_text(json.dumps(record, indent=1, default=str))
+    (server_dir / "federated.md").write_text(_markdown(record))
+    return record
+
+
+def _markdown(record: dict[str, Any]) -> str:
+    last = record["history"][-1]["sites"]
+    lines = [
+        f"# Federated run: {record['sites']} sites, {record['rounds']} rounds "
+        f"({record['method']}, FedAvg)",
+        "",
+        "| site | epsilon spent (PRV) | target | noisy steps | status |",
+        "|---|---|---|---|---|",
+    ]
+    for m in last:
+        lines.append(
+            f"| {m['site']} | {m['epsilon']:.3f} | {record['target_epsilon_per_site']:g} | "
+            f"{m['steps']} | {m['status']} |"
+        )
+    test = record["test"]
+    metric = next((k for k in ("mean_dice", "auroc", "accuracy") if k in test), None)
+    if metric:
+        lines += ["", f"Federated model, test {metric}: {test[metric]:.4f} (not DP: evaluation)."]
+    lines += ["", record["note"] + "."]
+    return "\n".join(lines) + "\n"
