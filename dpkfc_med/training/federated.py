@@ -222,9 +222,15 @@ def run_federated(
         problems.append(f"--sites {sites}: use 2 or more")
     if rounds < 1 or local_epochs < 1:
         problems.append(f"--rounds {rounds} / --local-epochs {local_epochs}: must be >= 1")
+    out = cfg.run_dir()
+    taken = [d for d in [out / "server", *(out / f"site_{k}" for k in range(sites))] if d.exists()]
+    if taken:
+        problems.append(
+            f"{taken[0]} exists: a federated run starts in a new folder; pass another --out "
+            "(site ledgers are never overwritten)"
+        )
     if problems:
         raise ConfigError(problems)
-    out = cfg.run_dir()
     server_dir = out / "server"
     server_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.training.seed)

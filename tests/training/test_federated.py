@@ -44,6 +44,10 @@ def test_two_sites_two_rounds(tmp_path, capsys):
         units.append(rep["data"]["num_train_units"])
         assert rec["history"][-1]["sites"][k]["steps"] == p["steps"]
     assert sum(units) == 96  # the two shards partition the 96 training images
+    # a second run into the same folder is refused before anything starts
+    again = ["federated", str(cfg), "--out", str(out), "--sites", "2", "--rounds", "2"]
+    assert main(again) == 2
+    assert "server exists: a federated run starts in a new folder" in capsys.readouterr().err
 
 
 def test_federated_refuses_a_non_private_method(tmp_path, capsys):
