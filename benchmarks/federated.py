@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -26,6 +28,38 @@ sys.path.insert(0, str(ROOT))
 def result_key(config: Path) -> str:
     """The segmentation benchmark's key of a shipped config."""
     return str(config.resolve().relative_to(ROOT))
+
+
+def render(result: dict, out: Path) -> None:
+    """Write ``out`` (JSON) and its Markdown, with the pooled shipped run looked up again."""
+    seg = ROOT / "benchmarks/results/segmentation_hippocampus.json"
+    shipped = json.loads(seg.read_text()).get("shipped", {}) if seg.exists() else {}
+    pooled = shipped.get(result["config"])  # the shipped config trained as shipped
+    result["pooled_private_test_dice"] = None if pooled is None else pooled["test"]["mean_dice"]
+    out.write_text(json.dumps(result, indent=1, default=str))
+    if "target_epsilon_per_site" not in result:  # written before the field existed
+        cfg = yaml.safe_load((ROOT / result["config"]).read_text())
+        result["target_epsilon_per_site"] = cfg["privacy"]["target_epsilon"]
+    eps = result["target_epsilon_per_site"]
+    lines = [
+        f"## Federated hippocampus: {result['sites']} sites x {result['rounds']} rounds x "
+        f"{result['local_epochs']} local epochs (DP-KFC, epsilon {eps:g} per site)",
+        "",
+        "| site | epsilon spent (PRV) | noisy steps |",
+        "|---|---|---|",
+        *[f"| {m['site']} | {m['epsilon']:.3f} | {m['steps']} |" for m in result["per_site"]],
+        "",
+        f"Federated model, test mean Dice: "
+        f"{result['federated_test'].get('mean_dice', float('nan')):.3f} (test cases of seed 0's "
+        f"split; {result['minutes']:.0f} min on 2 CPU cores shared with other benchmarks).",
+    ]
+    if pooled is not None:
+        lines.append(
+            "Pooled private model (the same config trained as shipped on all of seed 0's "
+            f"training cases in one run, the same test cases): {pooled['test']['mean_dice']:.3f}."
+        )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,42 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rec = run_federated(cfg, sites=args.sites, rounds=args.rounds, local_epochs=args.local_epochs)
     minutes = (time.time() - t0) / 60
-    pooled = None
-    seg = ROOT / "benchmarks/results/segmentation_hippocampus.json"
-    if seg.exists():  # the shipped config trained as shipped: seed 0's split, all its cases
-        shipped = json.loads(seg.read_text()).get("shipped", {}).get(result_key(args.config))
-        if shipped:
-            pooled = {"test_mean_dice": shipped["test"]["mean_dice"], "minutes": shipped["minutes"]}
     result = {
-        "config": str(args.config.relative_to(ROOT)),
+        "config": result_key(args.config),
         "sites": args.sites,
         "rounds": args.rounds,
         "local_epochs": args.local_epochs,
         "batch_per_site": args.batch,
+        "target_epsilon_per_site": cfg.privacy.target_epsilon,
         "minutes": minutes,
         "per_site": rec["history"][-1]["sites"],
         "federated_test": rec["test"],
-        "pooled_private_test_dice": pooled,
     }
-    args.out.write_text(json.dumps(result, indent=1, default=str))
-    lines = [
-        f"## Federated hippocampus: {args.sites} sites x {args.rounds} rounds x "
-        f"{args.local_epochs} local epochs (DP-KFC, epsilon {cfg.privacy.target_epsilon:g} per site)",
-        "",
-        "| site | epsilon spent (PRV) | noisy steps |",
-        "|---|---|---|",
-        *[f"| {m['site']} | {m['epsilon']:.3f} | {m['steps']} |" for m in result["per_site"]],
-        "",
-        f"Federated model, test mean Dice: {rec['test'].get('mean_dice', float('nan')):.3f} "
-        f"(test cases of seed 0's split; {minutes:.0f} min on 2 CPU cores).",
-    ]
-    if pooled:
-        lines.append(
-            f"Pooled private model (the same config trained as shipped on all of seed 0's "
-            f"training cases in one run, the same test cases): {pooled['test_mean_dice']:.3f}."
-        )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    render(result, args.out)
     return 0
 
 
