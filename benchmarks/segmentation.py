@@ -433,6 +433,7 @@ def summarize(data: dict[str, Any]) -> str:
                 clipped.append("-" if frac is None else f"{frac:.2f}")
             if any(c != "-" for c in cells):
                 lines.append(f"| {lever} | " + " | ".join(cells) + f" | {' / '.join(clipped)} |")
+        lines += _lever_snr_lines(shipped, lever_runs, eps)
     if data.get("shipped"):
         lines += [
             "",
@@ -461,6 +462,32 @@ def summarize(data: dict[str, Any]) -> str:
         "(later commits add studies and options; the code of the runs already made is unchanged).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _lever_snr_lines(
+    shipped: list[dict[str, Any]], lever_runs: list[dict[str, Any]], eps: float
+) -> list[str]:
+    """Per-layer SNR of every lever run (covered layers; not DP: un-noised statistics)."""
+    rows = [(r, "shipped") for r in shipped] + [(r, r["lever"]) for r in lever_runs]
+    rows = [(r, name) for r, name in rows if (r.get("evidence") or {}).get("mean_layer_snr")]
+    if not rows:
+        return []
+    layers = [k for k in rows[0][0]["evidence"]["mean_layer_snr"] if not k.endswith("(fallback)")]
+    out = [
+        "",
+        f"Per-layer SNR of the lever runs at epsilon {eps:g} (squared norm of the clipped batch "
+        "sum / expected squared norm of the noise on the layer, mean over steps; un-noised "
+        "private statistics, not DP):",
+        "",
+        "| lever | method | " + " | ".join(layers) + " |",
+        "|---|---|" + "---|" * len(layers),
+    ]
+    order = {name: i for i, name in enumerate(LEVERS)}
+    for r, name in sorted(rows, key=lambda x: (order.get(x[1], 99), x[0]["method"])):
+        snr = r["evidence"]["mean_layer_snr"]
+        cells = [f"{snr[k]:.2g}" if snr.get(k) is not None else "-" for k in layers]
+        out.append(f"| {name} | {r['method']} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _evidence_lines(data: dict[str, Any]) -> list[str]:
