@@ -472,7 +472,13 @@ def _lever_snr_lines(
     rows = [(r, name) for r, name in rows if (r.get("evidence") or {}).get("mean_layer_snr")]
     if not rows:
         return []
-    layers = [k for k in rows[0][0]["evidence"]["mean_layer_snr"] if not k.endswith("(fallback)")]
+    # the layers every run reports under one name (DP-KFC's fallback parameters are named
+    # apart, so the norm affines drop out and the covered layers remain)
+    layers = [
+        k
+        for k in rows[0][0]["evidence"]["mean_layer_snr"]
+        if all(k in r["evidence"]["mean_layer_snr"] for r, _ in rows)
+    ]
     out = [
         "",
         f"Per-layer SNR of the lever runs at epsilon {eps:g} (squared norm of the clipped batch "
