@@ -159,9 +159,15 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         self._fallback_raw_sq: dict[int, Tensor] = {}
         self.world = world or World()
 
-    def layer_name(self, p: nn.Parameter, index: int) -> str:
-        """The layer ``p`` belongs to in the diagnostics (``index``: its place in ``params``)."""
-        names = self.preconditioner.param_layer_names() if self.preconditioner else {}
+    def layer_name(
+        self, p: nn.Parameter, index: int, names: Mapping[int, str] | None = None
+    ) -> str:
+        """The layer ``p`` belongs to in the diagnostics (``index``: its place in ``params``).
+
+        ``names``: the preconditioner's ``param_layer_names()``, when the caller has it.
+        """
+        if names is None:
+            names = self.preconditioner.param_layer_names() if self.preconditioner else {}
         if id(p) in names:
             return names[id(p)]
         return self.param_owners.get(id(p), (f"param{index}", None))[0]
@@ -236,6 +242,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         n = len(norms)
         if n == 0:
             return StepDiagnostics(batch_units=0)
+        names = self.preconditioner.param_layer_names() if self.preconditioner else {}
         share: dict[str, float] = {}
         sig: dict[str, float] = {}
         dims: dict[str, int] = {}
@@ -244,7 +251,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         raw_parts: list[Tensor] = []
         done: set[int] = set()
         for j, p in enumerate(self.params):
-            key = self.layer_name(p, j)
+            key = self.layer_name(p, j, names)
             share[key] = share.get(key, 0.0) + float(col[j]) / total
             sig[key] = sig.get(key, 0.0) + signal[j]
             dims[key] = dims.get(key, 0) + p.numel()
