@@ -10,11 +10,11 @@ split. :func:`benchmark_accuracy` reads the accuracy benchmark's JSON
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from torch import nn
@@ -90,12 +90,6 @@ def public_proxy(
     )
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-    return mean, math.sqrt(var)
-
-
 def benchmark_accuracy(
     path: str | Path, methods: Sequence[str], *, metric: str = "auroc"
 ) -> list[dict[str, Any]]:
@@ -129,7 +123,8 @@ def benchmark_accuracy(
                 continue
             lr = max(tune, key=tune.__getitem__)
             values = [r["test"][metric] for r in evals if r["lr"] == lr]
-            mean, std = _stats(values)
+            mean = float(np.mean(values))
+            std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
             rows.append(
                 {
                     "method": method,

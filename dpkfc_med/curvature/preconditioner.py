@@ -97,6 +97,36 @@ __all__ = [
 ]
 
 
+def _input_side(
+    factor: Tensor,
+    damping: float,
+    rank: int | None,
+    out_dtype: torch.dtype,
+    *,
+    layer: str,
+    part: str,
+    record: list[EighFallback],
+    power: float = 0.5,
+) -> tuple[Tensor | None, LowRankA | None, Tensor]:
+    """``factor^{-power}`` of an input side (K-FAC ``A``, Shampoo ``R``).
+
+    Low rank under ``rank`` where that saves work (:func:`low_rank_of`), dense (or diagonal)
+    otherwise.
+
+    Returns:
+        ``(dense or diagonal root, low-rank root, eigenvalues)``; one of the roots is ``None``.
+    """
+    if factor.dim() == 3 and (r := low_rank_of(factor.shape[-1], rank)):
+        low, ev = LowRankA.from_factor(
+            factor, damping, r, out_dtype, layer=layer, record=record, power=power, part=part
+        )
+        return None, low, ev
+    root, ev = inverse_sqrt_with_spectrum(
+        factor, damping, layer=layer, part=part, record=record, power=power
+    )
+    return root.to(out_dtype), None, ev
+
+
 def _fallback_blocks(model: nn.Module, covered: dict[str, nn.Module]) -> dict[str, FallbackBlock]:
     """An identity :class:`FallbackBlock` for every trainable parameter no block covers."""
     owned = {id(p) for m in covered.values() for p in m.parameters(recurse=False)}
@@ -247,29 +277,16 @@ class KroneckerPreconditioner:
                         record=eig_fallbacks,
                         power=pw,
                     )
-                    if st.right.dim() == 3 and (
-                        rank := low_rank_of(st.right.shape[-1], cfg.shampoo_rank)
-                    ):
-                        a_low, ev_a = LowRankA.from_factor(
-                            st.right.to(dt),
-                            cfg.damping_a,
-                            rank,
-                            ref_p.dtype,
-                            layer=name,
-                            record=eig_fallbacks,
-                            power=pw,
-                            part="R",
-                        )
-                    else:
-                        u_a, ev_a = inverse_sqrt_with_spectrum(
-                            st.right.to(dt),
-                            cfg.damping_a,
-                            layer=name,
-                            part="R",
-                            record=eig_fallbacks,
-                            power=pw,
-                        )
-                        u_a = u_a.to(ref_p.dtype)
+                    u_a, a_low, ev_a = _input_side(
+                        st.right.to(dt),
+                        cfg.damping_a,
+                        cfg.shampoo_rank,
+                        ref_p.dtype,
+                        layer=name,
+                        part="R",
+                        record=eig_fallbacks,
+                        power=pw,
+                    )
                     u_g = u_g.to(ref_p.dtype)
                     spectra[name] = {"L": _spectrum_stats(ev_g), "R": _spectrum_stats(ev_a)}
             elif name in factors:
@@ -281,15 +298,16 @@ class KroneckerPreconditioner:
                     a_kron, ev_a = kron_a_from_factor(
                         module, f.a, cfg.damping_a, dt, ref.dtype, layer=name, record=eig_fallbacks
                     )
-                elif f.a.dim() == 3 and (rank := low_rank_of(f.a.shape[-1], cfg.rank_a)):
-                    a_low, ev_a = LowRankA.from_factor(
-                        f.a.to(dt), cfg.damping_a, rank, ref.dtype, layer=name, record=eig_fallbacks
-                    )
                 else:
-                    u_a, ev_a = inverse_sqrt_with_spectrum(
-                        f.a.to(dt), cfg.damping_a, layer=name, part="A", record=eig_fallbacks
+                    u_a, a_low, ev_a = _input_side(
+                        f.a.to(dt),
+                        cfg.damping_a,
+                        cfg.rank_a,
+                        ref.dtype,
+                        layer=name,
+                        part="A",
+                        record=eig_fallbacks,
                     )
-                    u_a = u_a.to(ref.dtype)
                 spectra[name] = {"A": _spectrum_stats(ev_a)}
                 if cfg.factors is FactorMode.AG:
                     u_g, ev_g = inverse_sqrt_with_spectrum(

@@ -29,7 +29,13 @@ import torch.multiprocessing as mp
 from dpkfc_med.privacy.distributed import World
 from dpkfc_med.training.config import ConfigError, RunConfig
 
-__all__ = ["backend_for", "init_from_environment", "train_distributed", "train_on_this_rank"]
+__all__ = [
+    "backend_for",
+    "free_port",
+    "init_from_environment",
+    "train_distributed",
+    "train_on_this_rank",
+]
 
 TIMEOUT = datetime.timedelta(minutes=10)
 """How long a rank waits for the others at a collective before the run stops with an error."""
@@ -86,7 +92,8 @@ def train_on_this_rank(cfg: RunConfig, *, resume: bool = False, **kwargs: Any) -
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback (for the processes of one run to meet on)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -136,7 +143,7 @@ def train_distributed(cfg: RunConfig, nproc: int, *, resume: bool = False) -> An
         try:
             mp.start_processes(
                 _rank_main,
-                args=(nproc, _free_port(), cfg, resume, str(out)),
+                args=(nproc, free_port(), cfg, resume, str(out)),
                 nprocs=nproc,
                 start_method="spawn",
             )

@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dpkfc_med.training.config import ConfigError, RunConfig
+from dpkfc_med.training.distributed import free_port
 
 __all__ = ["run_federated"]
 
@@ -183,12 +183,6 @@ def _watch(procs: list[Any], poll_s: float = 1.0) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_federated(
     cfg: RunConfig, *, sites: int, rounds: int, local_epochs: int = 1
 ) -> dict[str, Any]:
@@ -241,7 +235,7 @@ def run_federated(
     np.savez(
         server_dir / "initial.npz", *[v.detach().cpu().numpy() for v in model.state_dict().values()]
     )
-    port = _free_port()
+    port = free_port()
     threads = max(1, (cfg.training.threads or os.cpu_count() or 1) // sites)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_server_main, args=(port, sites, rounds, str(server_dir)))]

@@ -142,27 +142,29 @@ class Task:
         )
 
 
-def _match_dims(images: Tensor, spatial_dims: int, path: Path) -> Tensor:
+def _match_dims(images: Tensor, spatial_shape: tuple[int, ...], path: Path) -> Tensor:
     """A 3D proxy for a 2D task becomes its central slices along every axis; 2D for 3D fails."""
-    have = images.ndim - 2
-    if have == spatial_dims:
+    have, want = images.ndim - 2, len(spatial_shape)
+    if have == want:
         return images
-    if have == 3 and spatial_dims == 2:
-        slices = [images.select(2 + axis, images.shape[2 + axis] // 2) for axis in range(3)]
-        same = [s for s in slices if s.shape[2:] == slices[0].shape[2:]]
-        if len(same) == len(slices):
-            return torch.cat(slices)
-        # anisotropic volumes: each axis' slices are resized separately by the caller's shape
-        size = slices[0].shape[2:]
+    if have == 3 and want == 2:
+        # each axis' slices at the task's size (the volumes may not be cubes)
         return torch.cat(
-            [F.interpolate(s, size=size, mode="bilinear", align_corners=False) for s in slices]
+            [
+                F.interpolate(
+                    images.select(2 + axis, images.shape[2 + axis] // 2),
+                    size=spatial_shape,
+                    mode="bilinear",
+                    align_corners=False,
+                )
+                for axis in range(3)
+            ]
         )
     raise ConfigError(
         [
             f"probes.public_data={str(path)!r} holds {have}D images but the private task is "
-            f"{spatial_dims}D: a {have}D proxy cannot give {spatial_dims}D probes; use a "
-            f"{spatial_dims}D public archive (a 3D proxy serves a 2D task through its central "
-            "slices)"
+            f"{want}D: a {have}D proxy cannot give {want}D probes; use a {want}D public "
+            "archive (a 3D proxy serves a 2D task through its central slices)"
         ],
         "probes",
     )
@@ -240,7 +242,7 @@ class PublicProbeSource:
                     ],
                     "probes",
                 )
-        images = _match_dims(images, len(spatial_shape), self.path)
+        images = _match_dims(images, tuple(spatial_shape), self.path)
         self.sliced = images.shape[0] != data.splits["train"][0].shape[0]
         if images.shape[1] != channels:
             images = images.mean(1, keepdim=True).expand(-1, channels, *images.shape[2:])
