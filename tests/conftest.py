@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# pytest-xdist runs two workers (pyproject addopts): one thread each, so they share the two
+# cores instead of oversubscribing them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 SHARED_DATA = os.environ.get(
     "DPKFC_MED_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")

@@ -569,6 +569,52 @@ class KroneckerBlock:
         torch.matmul(u[0] if u.shape[0] == 1 else u, x, out=out)
         return out.mul_(s) if s != 1.0 else out
 
+    def _factored_rows(
+        self, a: Tensor, delta: Tensor, has_bias: bool
+    ) -> tuple[Tensor, Tensor, Tensor | float | None]:
+        """Factored rows ``(s U_G delta, a U_A, c)``.
+
+        ``U_G`` and the scale act on the errors (rows times symmetric ``U_G``), ``U_A`` on
+        the inputs with the bias coordinate 1 (see :meth:`_times_a` for ``c``; a full or
+        low-rank ``U_A``'s bias row is added here).
+        """
+        d = _rows_times(delta, self.u_g)
+        d = d * self.scale if self.scale != 1.0 else d
+        a_t, c = self._times_a(a, has_bias)
+        if has_bias and c is None:
+            a_t = a_t.add_(self._a_bias_row()[:, None])
+        return d, a_t, c
+
+    def transformed_rows(self, a: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        r"""Rows whose outer products sum to the transformed per-sample gradient.
+
+        ``s U_G (\sum_t \delta_t [x_t, 1]^T) U_A = \sum_t \tilde\delta_t \tilde a_t^T`` with
+        ``\tilde\delta = s U_G \delta`` and ``\tilde a = U_A [x; 1]`` (ghost clipping,
+        :mod:`dpkfc_med.privacy.ghost`).
+
+        Args:
+            a: ``[B, G, T, n_w]`` rows (the adapter's ``rows``).
+            delta: ``[B, G, T, n_g]`` output errors (``error_rows``).
+
+        Returns:
+            ``([B, G, T, n_g], [B, G, T, n_a])``; the bias column (if any) last.
+
+        Raises:
+            ValueError: for an elementwise (diagonal-family) transform, which acts on the
+                per-sample gradient and has no row form.
+        """
+        if self.u_elem is not None:
+            raise ValueError(
+                f"{self.name}: an elementwise transform (family 'diagonal') has no row form; "
+                "its layers need per-sample gradients (privacy.clipping: per_sample or auto)"
+            )
+        has_bias = self.dims[1] > a.shape[-1]
+        d, a_t, c = self._factored_rows(a, delta, has_bias)
+        if has_bias and c is not None:
+            col = torch.as_tensor(c, dtype=a_t.dtype, device=a_t.device).reshape(1, -1, 1, 1)
+            a_t = torch.cat([a_t, col.expand(*a_t.shape[:-1], 1)], dim=-1)
+        return d, a_t
+
     def sample_grads(
         self,
         a: Tensor,
@@ -623,13 +669,8 @@ class KroneckerBlock:
         if raw_norms > 0:
             raw_sq = _raw_sq(a[:raw_norms], delta[:raw_norms], has_bias, raw_w)
         if raw_w is None:
-            # factored: U_G and the scale act on the errors (rows times symmetric U_G), U_A
-            # on the inputs (bias coordinate 1), then one product per sample
-            d = _rows_times(delta, self.u_g)
-            d = d * self.scale if self.scale != 1.0 else d
-            a_t, c = self._times_a(a, has_bias)
-            if has_bias and c is None:
-                a_t = a_t.add_(self._a_bias_row()[:, None])
+            # factored: transformed rows, then one product per sample
+            d, a_t, c = self._factored_rows(a, delta, has_bias)
             d_cols = d.transpose(-1, -2)
             # one position (Linear): the outer product as a broadcast, not a K=1 matmul
             prod = torch.mul if t == 1 else torch.matmul

@@ -38,6 +38,7 @@ from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, Precondi
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
 from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World, check_same_on_every_rank
+from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.rng import SecurePoissonSampler
@@ -245,6 +246,7 @@ class PrivacyEngine:
         loss_reduction: str = "mean",
         ledger_path: str | Path | None = None,
         diagnostics: bool = True,
+        clipping: Clipping | str = Clipping.PER_SAMPLE,
     ) -> tuple[PreconditionedGradSampleModule, ScaleThenPrivatizeOptimizer, DataLoader]:
         """Wrap for private training.
 
@@ -277,6 +279,12 @@ class PrivacyEngine:
             loss_reduction: ``"mean"`` or ``"sum"`` of the training loss over the batch.
             ledger_path: keep the ledger in this JSON file (written before each update).
             diagnostics: record per-step clipping diagnostics.
+            clipping: how per-unit norms are computed (:class:`~dpkfc_med.privacy.ghost.
+                Clipping`): ``"per_sample"`` (materialised per-sample gradients; DP-SGD is
+                then bit-for-bit Opacus), ``"ghost"`` (ghost norms on the transformed rows of
+                every layer that has them) or ``"auto"`` (per layer, whichever costs fewer
+                multiply-adds by the layer's shapes). The clipped sum, the noise and the
+                guarantee are the same in every mode.
 
         Returns:
             ``(private_module, private_optimizer, poisson_loader)``.
@@ -306,8 +314,11 @@ class PrivacyEngine:
         check_model_compatible(module)
         if isinstance(module, PreconditionedGradSampleModule):
             gsm = module
+            gsm.set_clipping(clipping)
         else:
-            gsm = PreconditionedGradSampleModule(module, loss_reduction=loss_reduction)
+            gsm = PreconditionedGradSampleModule(
+                module, loss_reduction=loss_reduction, clipping=clipping
+            )
         self.world = World.current()
         if self.world.distributed and self.seed is not None:
             # research runs: each rank's draws are seeded, and differ between ranks
@@ -348,6 +359,7 @@ class PrivacyEngine:
             param_owners=owners,
             raw_norms_sq=gsm.raw_norms_sq,
             world=self.world,
+            ghost_rows=gsm.ghost_rows,
         )
         opt.attach_step_hook(self._record_step)
         self.module, self.optimizer = gsm, opt

@@ -23,8 +23,10 @@ from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import Tensor, nn
 
-from dpkfc_med.curvature.adapters import adapter_for, supported_layer_types
+from dpkfc_med.curvature.adapters import LayerAdapter, adapter_for, supported_layer_types
 from dpkfc_med.curvature.preconditioner import KroneckerBlock, raw_norms_sq
+from dpkfc_med.privacy.ghost import Clipping, GhostRows, ghost_path_wins
+from dpkfc_med.utils import check_choice
 
 __all__ = ["PreconditionedGradSampleModule", "RAW_NORM_SAMPLES", "raw_norm_samples"]
 
@@ -80,19 +82,108 @@ def _sample_chunk(batch: int, row_elements: int | None = None) -> int:
     return max(1, min(quarters, CHUNK_ELEMENTS // max(row_elements, 1)))
 
 
+def ghost_eligible(module: nn.Module, block: KroneckerBlock | None) -> bool:
+    """Whether ``module``'s clipping can use ghost norms.
+
+    It must have row and error-row forms (Linear, ConvNd, attention projections; not
+    transposed convolutions), and its transform, if any, must act on rows (not the diagonal
+    family's elementwise one).
+    """
+    adapter = adapter_for(module)
+    return (
+        adapter is not None
+        and adapter.rows is not None
+        and adapter.error_rows is not None
+        and adapter.param_grads is None
+        and (block is None or block.u_elem is None)
+    )
+
+
+def ghost_chosen(mode: str, block: KroneckerBlock, positions: int) -> bool:
+    """``privacy.clipping`` ``mode``'s choice for one eligible layer at ``positions`` (T)."""
+    if mode == "per_sample":
+        return False
+    if mode == "ghost":
+        return True
+    g, n_a, n_g = block.dims
+    base = positions * g * n_a * n_g
+    factored, materialized = block.cost(1, positions)
+    identity = block.u_a is None and block.u_g is None and block.a_kron is None
+    identity = identity and block.a_low is None and block.scale == 1.0
+    return ghost_path_wins(
+        positions=positions,
+        groups=g,
+        n_a=n_a,
+        n_g=n_g,
+        factored=0.0 if identity else factored - base,
+        materialized=0.0 if identity else materialized - base,
+    )
+
+
+def _ghost_sampler(
+    module: nn.Module,
+    adapter: LayerAdapter,
+    x: Tensor,
+    backprops: Tensor,
+    block: KroneckerBlock,
+    kept: dict[nn.Module, Tensor],
+    store: dict[nn.Module, GhostRows],
+) -> dict[nn.Parameter, Tensor]:
+    """Keep ``module``'s transformed rows for ghost clipping; no per-sample gradients."""
+    assert adapter.rows is not None and adapter.error_rows is not None
+    rows, err = adapter.rows(module, x), adapter.error_rows(module, backprops)
+    m = raw_norm_samples(x.shape[0])
+    kept[module] = raw_norms_sq(block, rows[:m], err[:m]) if x.shape[0] else x.new_zeros(0)
+    d, a_t = block.transformed_rows(rows, err)
+    entry = GhostRows(module, d, a_t, n_w=rows.shape[-1])
+    weight = module.weight
+    # Opacus counts the uses of a layer left in this backward pass; the last use closes it
+    uses_left = int(getattr(weight, "_forward_counter", 1))
+    previous = store.get(module)
+    if previous is None:
+        store[module] = entry
+    elif previous.closed:
+        raise ValueError(
+            f"layer {type(module).__name__}: a second backward pass reached ghost clipping "
+            "before the optimizer step; take a step (or zero_grad) after every backward pass, "
+            "or set privacy.clipping: per_sample"
+        )
+    else:  # a further use of the layer in the same pass: its positions join the sum
+        previous.extend(entry)
+    store[module].closed = uses_left <= 1
+    for p in module.parameters(recurse=False):
+        if p.requires_grad:  # what Opacus promotes to grad_sample at the end of the pass
+            p._current_grad_sample = None  # type: ignore[attr-defined]
+    return {}
+
+
 def _preconditioned_sampler(
     module: nn.Module,
     activations: list[Tensor],
     backprops: Tensor,
     block: KroneckerBlock | None,
     kept: dict[nn.Module, Tensor],
+    ghost: tuple[str, dict[nn.Module, GhostRows]] | None = None,
 ) -> dict[nn.Parameter, Tensor]:
     """Per-sample gradients of ``module``, in ``block``'s coordinates when it has one.
 
     The raw squared norms of the first :func:`raw_norm_samples` samples go to
-    ``kept[module]`` (diagnostics).
+    ``kept[module]`` (diagnostics). ``ghost``: ``(privacy.clipping mode, store)``; a layer
+    the mode sends to ghost clipping keeps its rows in the store and returns no per-sample
+    gradients.
     """
     adapter = adapter_for(module)
+    if ghost is not None and ghost[0] != "per_sample" and ghost_eligible(module, block):
+        assert adapter is not None
+        ghost_block = block or KroneckerBlock(
+            name=type(module).__name__, module=module, adapter=adapter
+        )
+        g, _, n_g = ghost_block.dims
+        positions = math.prod(backprops.shape[1:]) // (g * n_g)
+        if ghost_chosen(ghost[0], ghost_block, positions):
+            return _ghost_sampler(
+                module, adapter, activations[0], backprops, ghost_block, kept, ghost[1]
+            )
     if block is None:
         if type(module) in _OPACUS_SAMPLERS:
             if isinstance(module, _CONVS):
@@ -164,10 +255,17 @@ class PreconditionedGradSampleModule(GradSampleModule):
 
     GRAD_SAMPLERS: dict[Any, Any] = {}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clipping: str = "per_sample", **kwargs: Any) -> None:
         self.blocks: dict[nn.Module, KroneckerBlock] = {}
         self.raw_norms_sq: dict[nn.Module, Tensor] = {}
+        self.ghost_rows: dict[nn.Module, GhostRows] = {}
+        self.clipping = check_choice("privacy.clipping", clipping, Clipping).value
         super().__init__(*args, **kwargs)
+
+    def set_clipping(self, mode: str) -> None:
+        """``privacy.clipping``: ``auto``, ``ghost`` or ``per_sample`` (:mod:`.ghost`)."""
+        self.clipping = check_choice("privacy.clipping", mode, Clipping).value
+        self.ghost_rows.clear()
 
     def set_blocks(self, blocks: dict[nn.Module, KroneckerBlock]) -> None:
         """Compute the per-sample gradients of ``blocks``' modules in their coordinates.
@@ -182,7 +280,12 @@ class PreconditionedGradSampleModule(GradSampleModule):
         self, module: nn.Module, activations: list[Tensor], backprops: Tensor
     ) -> dict[nn.Parameter, Tensor]:
         return _preconditioned_sampler(
-            module, activations, backprops, self.blocks.get(module), self.raw_norms_sq
+            module,
+            activations,
+            backprops,
+            self.blocks.get(module),
+            self.raw_norms_sq,
+            (self.clipping, self.ghost_rows),
         )
 
     def add_hooks(self, *args: Any, **kwargs: Any) -> None:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner
 from dpkfc_med.privacy.distributed import World, all_reduce_sum
+from dpkfc_med.privacy.ghost import GhostRows
 from dpkfc_med.privacy.grad_sample import raw_norm_samples
 from dpkfc_med.privacy.rng import secure_normal
 
@@ -116,6 +117,10 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         world: the training processes (:mod:`.distributed`): rank 0 alone draws the noise,
             and one all-reduce sums the ranks' clipped sums with it; ``expected_batch_size``
             is then the global ``q N``. Diagnostics describe this rank's units.
+        ghost_rows: the per-sample hooks' store of layers under ghost clipping
+            (:attr:`~dpkfc_med.privacy.grad_sample.PreconditionedGradSampleModule.ghost_rows`):
+            their parameters have no ``grad_sample``; their per-unit norms and clipped sums
+            come from the kept rows (:mod:`.ghost`). Emptied after every step.
     """
 
     def __init__(
@@ -134,6 +139,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         param_owners: Mapping[int, tuple[str, nn.Module]] | None = None,
         raw_norms_sq: Mapping[nn.Module, Tensor] | None = None,
         world: World | None = None,
+        ghost_rows: dict[nn.Module, GhostRows] | None = None,
     ) -> None:
         # Opacus' own secure path needs torchcsprng; ours uses os.urandom (see add_noise).
         super().__init__(
@@ -158,6 +164,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         self.raw_norms_sq: Mapping[nn.Module, Tensor] = {} if raw_norms_sq is None else raw_norms_sq
         self._fallback_raw_sq: dict[int, Tensor] = {}
         self.world = world or World()
+        self.ghost_rows: dict[nn.Module, GhostRows] = {} if ghost_rows is None else ghost_rows
 
     def layer_name(
         self, p: nn.Parameter, index: int, names: Mapping[int, str] | None = None
@@ -208,35 +215,103 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         out = grad.new_zeros((n_units, *grad.shape[1:]))
         return out.index_add_(0, ids, grad)
 
+    def _ghost_params(self) -> dict[int, tuple[GhostRows, str]]:
+        """``id(param) -> (rows, "weight" | "bias")`` of the layers under ghost clipping now."""
+        out: dict[int, tuple[GhostRows, str]] = {}
+        for module, rows in self.ghost_rows.items():
+            for kind in ("weight", "bias"):
+                p = getattr(module, kind, None)
+                if isinstance(p, nn.Parameter) and p.requires_grad:
+                    out[id(p)] = (rows, kind)
+        return out
+
     def clip_and_accumulate(self) -> None:
-        """Precondition fallbacks, sum per unit, clip the flat norm to ``C``, accumulate."""
+        """Precondition fallbacks, sum per unit, clip the flat norm to ``C``, accumulate.
+
+        Layers under ghost clipping contribute their per-unit norms and clipped sums from
+        their kept rows (:class:`~dpkfc_med.privacy.ghost.GhostRows`); every other parameter
+        from its materialised per-sample gradient. Both give the same clipped sum.
+        """
         self.precondition_grad_samples()
-        grads = [self._per_unit(self._get_flat_grad_sample(p)) for p in self.params]
-        n = len(grads[0]) if grads else 0
+        ghost = self._ghost_params()
+        ghost_sq: dict[int, Tensor] = {}
+        for rows in {id(r): r for r, _ in ghost.values()}.values():
+            w_sq, b_sq = rows.norms_sq(self.unit_ids)
+            for kind, sq_k in (("weight", w_sq), ("bias", b_sq)):
+                p = getattr(rows.module, kind, None)
+                if sq_k is not None and p is not None and id(p) in ghost:
+                    ghost_sq[id(p)] = sq_k
+        grads = [
+            None if id(p) in ghost else self._per_unit(self._get_flat_grad_sample(p))
+            for p in self.params
+        ]
+        sizes = [len(g) for g in grads if g is not None] + [len(v) for v in ghost_sq.values()]
+        n = sizes[0] if sizes else 0
         if n == 0:
             sq = torch.zeros(0, len(grads))
             norms = torch.zeros(0)
+            device = self.params[0].device if self.params else torch.device("cpu")
         else:
             # Same arithmetic as Opacus (per-parameter norms, then their norm), so DP-SGD
             # through this optimizer is bit-for-bit Opacus.
-            device = grads[0].device
+            device = next(g for g in [*grads, *ghost_sq.values()] if g is not None).device
             per_param = torch.stack(
-                [g.reshape(n, -1).norm(2, dim=-1).to(device) for g in grads], dim=1
+                [
+                    ghost_sq[id(p)].clamp(min=0).sqrt().to(device)
+                    if g is None
+                    else g.reshape(n, -1).norm(2, dim=-1).to(device)
+                    for p, g in zip(self.params, grads)
+                ],
+                dim=1,
             )
             norms = per_param.norm(2, dim=1)
             sq = per_param.pow(2)
         clip = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        coef = clip if self.unit_ids is None or n == 0 else clip[self.unit_ids.to(clip.device)]
+        ghost_sums: dict[int, tuple[Tensor, Tensor | None]] = {}
         signal: list[float] = []
         for p, g in zip(self.params, grads):
-            _check_processed_flag(p.grad_sample)
-            g = g.to(p.dtype)
-            summed = torch.einsum("i,i...", clip.to(device=g.device, dtype=p.dtype), g)
+            if g is None:  # ghost clipping: one product over the batch's kept rows
+                rows, kind = ghost[id(p)]
+                if id(rows) not in ghost_sums:
+                    ghost_sums[id(rows)] = rows.clipped_sum(coef)
+                w_sum, b_sum = ghost_sums[id(rows)]
+                part = w_sum if kind == "weight" else b_sum
+                assert part is not None
+                summed = part.to(p.dtype).reshape(p.shape)
+            else:
+                _check_processed_flag(p.grad_sample)
+                g = g.to(p.dtype)
+                summed = torch.einsum("i,i...", clip.to(device=g.device, dtype=p.dtype), g)
+                _mark_as_processed(p.grad_sample)
             p.summed_grad = summed if p.summed_grad is None else p.summed_grad + summed
-            _mark_as_processed(p.grad_sample)
             if self.record_diagnostics:
                 signal.append(float(summed.double().pow(2).sum()))
+        self.ghost_rows.clear()
         if self.record_diagnostics:
             self.last_diagnostics = self._diagnostics(sq, norms, signal)
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Backward passes accumulated since the last step (divides the noisy sum).
+
+        Opacus' count over the parameters that hold ``grad_sample``; parameters under ghost
+        clipping hold none (their layer refuses a second backward pass before a step), and
+        with none at all it is 1.
+        """
+        vals = {
+            len(p.grad_sample) if isinstance(p.grad_sample, list) else 1
+            for p in self.params
+            if getattr(p, "grad_sample", None) is not None
+        }
+        if len(vals) > 1:
+            raise ValueError("Number of accumulated steps is inconsistent across parameters")
+        return vals.pop() if vals else 1
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Opacus' ``zero_grad``, and drop rows kept for ghost clipping."""
+        self.ghost_rows.clear()
+        super().zero_grad(set_to_none)
 
     def _diagnostics(self, sq: Tensor, norms: Tensor, signal: list[float]) -> StepDiagnostics:
         n = len(norms)
@@ -263,7 +338,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
                     raw_parts.append(owner_raw)
             elif id(p) in self._fallback_raw_sq:  # fallback parameter
                 raw_parts.append(self._fallback_raw_sq[id(p)])
-            else:  # not preconditioned: raw == transformed
+            elif p.grad_sample is not None:  # not preconditioned: raw == transformed
                 gs = self._get_flat_grad_sample(p)
                 raw_parts.append(gs[: raw_norm_samples(gs.shape[0])].pow(2).flatten(1).sum(1))
         noise_sq = (self.noise_multiplier * self.max_grad_norm) ** 2
@@ -331,13 +406,29 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             pre.precondition_update(self.params)
 
     def pre_step(self, closure: Callable[[], float] | None = None) -> bool | None:
-        """Refuse a step the privacy plan does not cover, then run Opacus' pipeline."""
+        """Refuse a step the privacy plan does not cover, then run Opacus' pipeline.
+
+        The pipeline is Opacus' (clip and accumulate, skip check, noise, scale, step hook),
+        written out because Opacus' version reads every parameter's ``grad_sample`` first,
+        which parameters under ghost clipping do not have.
+        """
         if self.max_steps is not None and self.steps_taken >= self.max_steps:
             raise BudgetExhaustedError(
                 f"the privacy plan covers {self.max_steps} noisy steps and all were taken; "
                 "raise the target epsilon or plan more steps before training"
             )
-        return super().pre_step(closure)
+        if not self.params:  # no trainable parameters: an ordinary optimizer, as in Opacus
+            return True
+        self.clip_and_accumulate()
+        if self._check_skip_next_step():
+            self._is_last_step_skipped = True
+            return False
+        self.add_noise()
+        self.scale_grad()
+        if self.step_hook:
+            self.step_hook(self)
+        self._is_last_step_skipped = False
+        return True
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One private step; post-step hooks (refresh) see the released parameters."""

@@ -151,6 +151,12 @@ class PrivacyConfig:
             ``training.seed``. Anyone who knows the seed (it is in the config and the report)
             can replay the noise, so such a run is NOT a valid DP release and its report says
             so in its headline.
+        clipping: how each unit's norm is computed before clipping: ``auto`` (per layer,
+            ghost norms on the transformed rows where they cost less than a materialised
+            per-sample gradient, judged from the layer's shapes), ``ghost`` (ghost norms for
+            every layer that has a row form: Linear, ConvNd, attention projections) or
+            ``per_sample`` (materialised per-sample gradients; DP-SGD is then bit-for-bit
+            Opacus). The clipped sum, the noise and the guarantee are the same in every mode.
     """
 
     target_epsilon: float = 1.0
@@ -160,6 +166,7 @@ class PrivacyConfig:
     accountant: str = "prv"
     secure_rng: bool = False
     reproducible_noise: bool = False
+    clipping: str = "auto"
 
 
 @dataclass
@@ -299,6 +306,7 @@ _CHOICES: dict[str, list[str]] = {
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
     "privacy.accountant": ["prv", "rdp"],
+    "privacy.clipping": ["auto", "ghost", "per_sample"],
     "probes.target": ["uniform", "model", "shapes"],
     "model.norm": ["group", "instance"],
 }

@@ -294,6 +294,7 @@ def train(
             method="dp-sgd" if method is Method.DP_SGD else "dp-kfc",
             max_steps=plan["planned_steps"],
             ledger_path=None if opening.previous is not None else ledger_path,
+            clipping=cfg.privacy.clipping,
             **kw,
         )
         plan_r = engine.refresh_plan

@@ -67,9 +67,21 @@ def test_measure_timing_small_cnn(cost, fast_build):
     ]
     an = cost.analyse(out, refresh_every=20)
     assert an["ratios"]["time"]["opacus"] == pytest.approx(1.0)
-    assert an["ratios"]["memory"]["dp-kfc"] == pytest.approx(13.0 / 11.0)
+    assert an["ratios"]["memory"]["dp-kfc"] == pytest.approx(14.0 / 11.0)
+    # Opacus' fastest mode is the reference of the fastest-competitor targets
+    t = {m: s["median_ms"] for m, s in out["methods"].items()}
+    fastest = min(t["opacus"], t["opacus-ghost"])
+    assert an["ratios"]["time_vs_fastest_opacus"]["dp-kfc"] == pytest.approx(t["dp-kfc"] / fastest)
+    assert an["ratios"]["memory_vs_fastest_opacus"]["dp-kfc"] == pytest.approx(14.0 / 11.0)
     assert 0 < an["refresh_amortised"]["share_at_default_period"] < 1
-    assert set(an["targets"]) == {"step", "memory", "refresh"}
+    assert set(an["targets"]) == {
+        "step",
+        "memory",
+        "refresh",
+        "fastest_step",
+        "fastest_memory",
+        "nonprivate_step",
+    }
     # fewer probes change the refresh (extrapolated), not the step
     assert an["targets"]["step"] in ("met", "missed")
     assert "extrapolated" in an["targets"]["refresh"]

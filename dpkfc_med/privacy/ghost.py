@@ -1,0 +1,193 @@
+r"""Ghost clipping in preconditioned coordinates: per-unit norms without per-sample gradients.
+
+A covered layer's transformed per-sample gradient is a sum over its ``T`` positions (tokens,
+voxels) of outer products of transformed rows,
+
+.. math::
+
+    \tilde g_i = \sum_t \tilde\delta_{it} \tilde a_{it}^T, \qquad
+    \tilde\delta = s U_G \delta, \quad \tilde a = U_A [a; 1],
+
+so inner products of two samples' gradients need only the rows (the ghost-norm identity,
+Goodfellow 2015; Li et al. 2022):
+
+.. math::
+
+    \langle \tilde g_i, \tilde g_j \rangle
+    = \sum_{t, s} (\tilde a_{it} \cdot \tilde a_{js}) (\tilde\delta_{it} \cdot \tilde\delta_{js}).
+
+A unit (a patient with ``k`` samples) has the gradient ``sum_{i in u} g~_i`` and the squared
+norm ``sum_{i, j in u} <g~_i, g~_j>``. Because the transform is linear and does not depend on
+the batch, the clipped sum is one product over the whole batch of the kept rows,
+``sum_i c_i g~_i = (c delta~)^T a~``: no ``[B, n_g, n_a]`` tensor and no second backward
+pass. :class:`GhostRows` holds one layer's rows between the backward pass and the optimizer;
+:func:`ghost_path_wins` is the per-layer choice between ghost norms and materialised
+per-sample gradients (``privacy.clipping: auto``), from the layer's shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Clipping",
+    "GhostRows",
+    "ghost_path_wins",
+    "pair_index",
+]
+
+
+class Clipping(str, Enum):
+    """``privacy.clipping``: how each unit's norm is computed.
+
+    Ghost norms where they are cheaper (``auto``), wherever a layer allows them (``ghost``),
+    or materialised per-sample gradients everywhere (``per_sample``). The clipped sum is the
+    same in every mode (to float rounding).
+    """
+
+    AUTO = "auto"
+    GHOST = "ghost"
+    PER_SAMPLE = "per_sample"
+
+
+MEMORY_PASS_MACS = 8
+"""Multiply-adds one element of a materialised per-sample gradient is worth: it is written
+once and read twice (its norm, the clipped sum), streaming memory at about a tenth of the
+arithmetic rate of a CPU's matrix products."""
+
+PAIR_CHUNK_ELEMENTS = 1 << 22
+"""Gram entries (pairs x groups x T x T) one chunk of the per-unit ghost norm may hold."""
+
+
+def ghost_path_wins(
+    *,
+    positions: int,
+    groups: int,
+    n_a: int,
+    n_g: int,
+    factored: float = 0.0,
+    materialized: float = 0.0,
+) -> bool:
+    r"""Whether ghost norms cost fewer multiply-adds per sample than a per-sample gradient.
+
+    With ``T`` positions and ``G`` groups, the ghost path pays the two Gram matrices,
+    ``G T^2 (n_a + n_g)``, and transforms the rows (``factored``); the per-sample path passes
+    the gradient through memory, ``3 G n_a n_g`` elements at :data:`MEMORY_PASS_MACS` each,
+    and transforms whichever is cheaper, rows or gradient (``min(factored, materialized)``:
+    :func:`~dpkfc_med.curvature.blocks.transform_path_macs`; both 0 without a
+    preconditioner). The outer product is paid on both paths (per sample, or once for the
+    batch in the clipped sum). Only shapes enter: the choice never depends on data.
+    """
+    ghost = groups * positions * positions * (n_a + n_g) + factored
+    per_sample = 3 * groups * n_a * n_g * MEMORY_PASS_MACS + min(factored, materialized)
+    return ghost <= per_sample
+
+
+def pair_index(unit_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Every ordered pair ``(i, j)`` of samples with the same unit id (``i == j`` included)."""
+    ids = unit_ids.long()
+    same = ids[:, None] == ids[None, :]
+    i, j = same.nonzero(as_tuple=True)
+    return i, j
+
+
+@dataclass
+class GhostRows:
+    """One covered layer's transformed rows of a batch, kept for ghost clipping.
+
+    Attributes:
+        module: the layer.
+        errors: ``[B, G, T, n_g]`` transformed output errors ``s U_G delta``.
+        rows: ``[B, G, T, n_a]`` transformed input rows ``U_A [a; 1]`` (bias column last when
+            the layer has a bias).
+        n_w: the weight's columns (``n_a - 1`` with a bias, else ``n_a``).
+    """
+
+    module: nn.Module
+    errors: Tensor
+    rows: Tensor
+    n_w: int
+    closed: bool = False
+    """Set when the layer's last use in the backward pass has been seen."""
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the last row column is the bias coordinate."""
+        return self.rows.shape[-1] > self.n_w
+
+    def extend(self, other: GhostRows) -> None:
+        """Add a second use of the layer in the same pass (its positions join the sum)."""
+        if other.errors.shape[0] != self.errors.shape[0]:
+            raise ValueError(
+                f"layer {type(self.module).__name__}: two backward passes ({self.errors.shape[0]} "
+                f"and {other.errors.shape[0]} samples) reached ghost clipping before one "
+                "optimizer step; take a step (or zero_grad) after every backward pass, or set "
+                "privacy.clipping: per_sample"
+            )
+        self.errors = torch.cat([self.errors, other.errors], dim=2)
+        self.rows = torch.cat([self.rows, other.rows], dim=2)
+
+    def norms_sq(self, unit_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Squared norms of each unit's transformed gradient: ``(weight [U], bias [U] or None)``.
+
+        ``unit_ids``: ``[B]`` unit of every sample (``None``: every sample is a unit); units
+        are numbered ``0 .. U-1`` with ``U = max(id) + 1``.
+        """
+        d, a = self.errors, self.rows
+        b = d.shape[0]
+        a_w = a[..., : self.n_w]
+        a_b = a[..., self.n_w :] if self.has_bias else None
+        if unit_ids is None:
+            if d.shape[2] == 1:  # one position (Linear): ||d||^2 ||a||^2 per group
+                dd = d.pow(2).sum(-1)[..., 0]
+                w = (dd * a_w.pow(2).sum(-1)[..., 0]).sum(1)
+                bias = None if a_b is None else (dd * a_b.pow(2).sum(-1)[..., 0]).sum(1)
+                return w, bias
+            gram_d = d @ d.transpose(-1, -2)  # [B, G, T, T]
+            w = (gram_d * (a_w @ a_w.transpose(-1, -2))).sum((1, 2, 3))
+            bias = None
+            if a_b is not None:
+                bias = (gram_d * (a_b @ a_b.transpose(-1, -2))).sum((1, 2, 3))
+            return w, bias
+        ids = unit_ids.long().to(d.device)
+        n_units = int(ids.max()) + 1 if b else 0
+        w_out = d.new_zeros(n_units)
+        b_out = d.new_zeros(n_units) if a_b is not None else None
+        i, j = pair_index(ids)
+        t = d.shape[2]
+        step = max(1, PAIR_CHUNK_ELEMENTS // max(1, d.shape[1] * t * t))
+        for s in range(0, len(i), step):
+            ii, jj = i[s : s + step], j[s : s + step]
+            gram_d = d[ii] @ d[jj].transpose(-1, -2)
+            w_out.index_add_(
+                0, ids[ii], (gram_d * (a_w[ii] @ a_w[jj].transpose(-1, -2))).sum((1, 2, 3))
+            )
+            if b_out is not None and a_b is not None:
+                gb = (gram_d * (a_b[ii] @ a_b[jj].transpose(-1, -2))).sum((1, 2, 3))
+                b_out.index_add_(0, ids[ii], gb)
+        return w_out, b_out
+
+    def clipped_sum(self, coef: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``sum_i coef_i g~_i`` as ``(weight [G, n_g, n_w], bias [G, n_g] or None)``.
+
+        ``coef``: ``[B]`` per-sample factor (the clip factor of the sample's unit).
+        """
+        d, a = self.errors, self.rows
+        b, g, t, n_g = d.shape
+        dc = d * coef.to(d.dtype).view(b, 1, 1, 1)
+        # [G, n_g, B T] @ [G, B T, n_a]: one product for the batch
+        left = dc.permute(1, 3, 0, 2).reshape(g, n_g, b * t)
+        right = a.permute(1, 0, 2, 3).reshape(g, b * t, a.shape[-1])
+        full = left @ right
+        w = full[..., : self.n_w]
+        return w, (full[..., self.n_w] if self.has_bias else None)
+
+    @property
+    def elements(self) -> int:
+        """Elements held (rows and errors)."""
+        return math.prod(self.errors.shape) + math.prod(self.rows.shape)

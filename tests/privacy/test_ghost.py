@@ -1,0 +1,196 @@
+"""Ghost clipping: the same clipped sums as materialised per-sample gradients, for every layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.privacy.engine import PrivacyEngine
+from dpkfc_med.privacy.ghost import GhostRows, ghost_path_wins
+from tests.conftest import GaussianProbes, per_sample_ce, summed_clipped
+
+
+class _Tokens(nn.Module):
+    """Linear layers on tokens ``[B, T, n]`` (attention projections' layout), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)  # [B, 16, 4]: 16 positions of 4 channels
+        return self.out(torch.tanh(self.proj(tokens)).mean(1))
+
+
+def _conv1d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(4, 5, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 16, 3)
+    )
+
+
+def _conv2d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(4, 6, 3, stride=2, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(6, 6, 3, padding=1, groups=2),  # grouped: G = 2 blocks
+        nn.GroupNorm(2, 6),  # no row form: materialised next to the ghost layers
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(6 * 2 * 2, 3),
+    )
+
+
+def _conv3d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv3d(4, 3, 2, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 2 * 2 * 2, 3)
+    )
+
+
+def _convtranspose() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(4, 3, 3, stride=2, padding=1),
+        nn.Tanh(),
+        nn.ConvTranspose2d(3, 2, 2, stride=2),  # no row form: per-sample under any mode
+        nn.Flatten(),
+        nn.Linear(2 * 4 * 4, 3),
+    )
+
+
+# (network, input shape of one sample)
+LAYOUTS = {
+    "linear-tokens": (_Tokens, (4, 4, 4)),
+    "conv1d": (_conv1d, (4, 16)),
+    "conv2d-grouped": (_conv2d, (4, 4, 4)),
+    "conv3d": (_conv3d, (4, 4, 4, 4)),
+    "convtranspose": (_convtranspose, (4, 4, 4)),
+}
+
+_FEW = {"num_probes": 32, "chunk_size": 32}
+METHODS = {
+    "dp-sgd": ("dp-sgd", None),
+    "dp-kfc": ("dp-kfc", PreconditionerConfig(**_FEW)),
+    "dp-kfc-ag": ("dp-kfc", PreconditionerConfig(factors="ag", **_FEW)),
+    "dp-kfc-shampoo": ("dp-kfc", PreconditionerConfig(family="shampoo", **_FEW)),
+    "dp-kfc-lowrank": ("dp-kfc", PreconditionerConfig(rank_a=2, **_FEW)),
+}
+# every layout under DP-SGD and the default DP-KFC; the other transforms on the two layouts
+# that exercise every row form (tokens; grouped conv with a norm layer beside it)
+CASES = [(lay, m) for lay in sorted(LAYOUTS) for m in ("dp-sgd", "dp-kfc")] + [
+    (lay, m)
+    for lay in ("linear-tokens", "conv2d-grouped")
+    for m in ("dp-kfc-ag", "dp-kfc-shampoo", "dp-kfc-lowrank")
+]
+
+
+def _private(net, shape, method, pre, clipping, n=24):
+    eng = PrivacyEngine(seed=5)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, *shape, generator=g), torch.randint(0, 3, (n,), generator=g)
+    pm, popt, _ = eng.make_private(
+        module=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=0.5,
+        delta=1e-5,
+        method=method,
+        probe_source=GaussianProbes(shape, num_classes=3),
+        probe_loss=per_sample_ce,
+        preconditioner=pre,
+        clipping=clipping,
+    )
+    return pm, popt, x, y
+
+
+def _clipped(pm, popt, x, y, units=None):
+    return summed_clipped(
+        popt, lambda: F.cross_entropy(pm(x), y, reduction="sum").backward(), units
+    )
+
+
+@pytest.mark.parametrize(("layout", "method"), CASES)
+def test_ghost_clipped_sum_equals_per_sample(layout, method, float64):
+    """Every mode gives the per-sample path's clipped sum, per sample and per unit of 3."""
+    build, shape = LAYOUTS[layout]
+    kind, pre = METHODS[method]
+    torch.manual_seed(2)
+    base = build()
+    units = torch.arange(24) // 3  # 8 patients with 3 images each
+    sums = {}
+    pm, popt, x, y = _private(base, shape, kind, pre, "per_sample")
+    for clipping in ("per_sample", "ghost", "auto"):
+        pm.set_clipping(clipping)  # the same preconditioner under each mode
+        sums[clipping] = (_clipped(pm, popt, x, y), _clipped(pm, popt, x, y, units))
+        if clipping == "ghost":
+            # ghost mode really left the row-form layers without per-sample gradients
+            pm.zero_grad()
+            F.cross_entropy(pm(x), y).backward()
+            assert pm.ghost_rows, "no layer went through ghost clipping"
+            popt.zero_grad()
+            assert not pm.ghost_rows
+    ref_sample, ref_unit = sums["per_sample"]
+    for clipping in ("ghost", "auto"):
+        per_sample, per_unit = sums[clipping]
+        torch.testing.assert_close(per_sample, ref_sample, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(per_unit, ref_unit, rtol=1e-9, atol=1e-12)
+
+
+def test_ghost_unit_norms_against_explicit_gradients(float64):
+    """Per-unit norms from rows equal the norms of explicitly summed outer products."""
+    g = torch.Generator().manual_seed(1)
+    b, groups, t, n_g, n_w = 7, 2, 5, 3, 4
+    d = torch.randn(b, groups, t, n_g, generator=g)
+    a = torch.randn(b, groups, t, n_w + 1, generator=g)
+    rows = GhostRows(nn.Linear(1, 1), d, a, n_w=n_w)
+    per_sample = torch.einsum("bgto,bgti->bgoi", d, a)  # brute force
+    units = torch.tensor([0, 2, 2, 1, 0, 2, 3])
+    unit_grads = torch.zeros(4, groups, n_g, n_w + 1).index_add_(0, units, per_sample)
+    w_sq, b_sq = rows.norms_sq(units)
+    torch.testing.assert_close(w_sq, unit_grads[..., :n_w].pow(2).sum((1, 2, 3)))
+    torch.testing.assert_close(b_sq, unit_grads[..., n_w].pow(2).sum((1, 2)))
+    w1, b1 = rows.norms_sq()
+    torch.testing.assert_close(w1, per_sample[..., :n_w].pow(2).sum((1, 2, 3)))
+    torch.testing.assert_close(b1, per_sample[..., n_w].pow(2).sum((1, 2)))
+    coef = torch.rand(b, generator=g)
+    w_sum, b_sum = rows.clipped_sum(coef)
+    explicit = torch.einsum("b,bgoi->goi", coef, per_sample)
+    torch.testing.assert_close(w_sum, explicit[..., :n_w])
+    torch.testing.assert_close(b_sum, explicit[..., n_w])
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "auto"])
+def test_ghost_sensitivity_with_units_of_k_patches(clipping, float64):
+    """Removing one patient (3 images) moves the clipped sum by at most C."""
+    torch.manual_seed(4)
+    base = _conv2d()
+    pre = PreconditionerConfig(**_FEW)
+    pm, popt, x, y = _private(base, (4, 4, 4), "dp-kfc", pre, clipping)
+    x, y = x * 20, y  # large gradients: every unit is clipped
+    units = torch.arange(24) // 3
+    full = _clipped(pm, popt, x, y, units)
+    for patient in range(8):
+        keep = units != patient
+        kept_units = units[keep] - (units[keep] > patient).long()
+        neighbour = _clipped(pm, popt, x[keep], y[keep], kept_units)
+        assert float((full - neighbour).norm()) <= 0.5 + 1e-9
+
+
+def test_second_backward_before_step_is_refused():
+    torch.manual_seed(0)
+    pm, popt, x, y = _private(_Tokens(), (4, 4, 4), "dp-sgd", None, "ghost")
+    F.cross_entropy(pm(x), y).backward()
+    with pytest.raises(ValueError, match="second backward pass.*privacy.clipping: per_sample"):
+        F.cross_entropy(pm(x[:5]), y[:5]).backward()
+
+
+def test_ghost_choice_depends_on_shapes_only():
+    """One position: ghost wins; a wide conv at many positions: per-sample wins."""
+    assert ghost_path_wins(positions=1, groups=1, n_a=513, n_g=32)
+    assert not ghost_path_wins(positions=1024, groups=1, n_a=10, n_g=16)
+    # a preconditioner whose rows cost more than its gradient shifts the choice
+    assert not ghost_path_wins(positions=4, groups=1, n_a=65, n_g=16, factored=1e6)
