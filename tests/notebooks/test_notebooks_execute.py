@@ -26,6 +26,9 @@ def _figures() -> dict[str, float]:
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("DPKFC_NB_TOY", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # the kernel gets this worker's share of the cores (pytest-xdist runs two workers)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    monkeypatch.setenv("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     nb = nbformat.read(path, as_version=4)
     before = _figures()
     NotebookClient(
