@@ -246,6 +246,11 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             for p in self.params
         ]
         sizes = [len(g) for g in grads if g is not None] + [len(v) for v in ghost_sq.values()]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"per-unit gradients of {sorted(set(sizes))} units in one step: every layer must "
+                "see the same batch once per step (take a step after every backward pass)"
+            )
         n = sizes[0] if sizes else 0
         if n == 0:
             sq = torch.zeros(0, len(grads))
