@@ -27,7 +27,6 @@ per-sample gradients (``privacy.clipping: auto``), from the layer's shapes only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -121,14 +120,7 @@ class GhostRows:
         return self.rows.shape[-1] > self.n_w
 
     def extend(self, other: GhostRows) -> None:
-        """Add a second use of the layer in the same pass (its positions join the sum)."""
-        if other.errors.shape[0] != self.errors.shape[0]:
-            raise ValueError(
-                f"layer {type(self.module).__name__}: two backward passes ({self.errors.shape[0]} "
-                f"and {other.errors.shape[0]} samples) reached ghost clipping before one "
-                "optimizer step; take a step (or zero_grad) after every backward pass, or set "
-                "privacy.clipping: per_sample"
-            )
+        """Add a further use of the layer in the same pass (its positions join the sum)."""
         self.errors = torch.cat([self.errors, other.errors], dim=2)
         self.rows = torch.cat([self.rows, other.rows], dim=2)
 
@@ -186,8 +178,3 @@ class GhostRows:
         full = left @ right
         w = full[..., : self.n_w]
         return w, (full[..., self.n_w] if self.has_bias else None)
-
-    @property
-    def elements(self) -> int:
-        """Elements held (rows and errors)."""
-        return math.prod(self.errors.shape) + math.prod(self.rows.shape)

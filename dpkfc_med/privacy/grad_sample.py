@@ -106,17 +106,15 @@ def ghost_chosen(mode: str, block: KroneckerBlock, positions: int) -> bool:
     if mode == "ghost":
         return True
     g, n_a, n_g = block.dims
-    base = positions * g * n_a * n_g
-    factored, materialized = block.cost(1, positions)
-    identity = block.u_a is None and block.u_g is None and block.a_kron is None
-    identity = identity and block.a_low is None and block.scale == 1.0
+    base = positions * g * n_a * n_g  # the raw outer product, in both of block.cost's paths
+    factored, materialized = block.cost(1, positions)  # both == base without a transform
     return ghost_path_wins(
         positions=positions,
         groups=g,
         n_a=n_a,
         n_g=n_g,
-        factored=0.0 if identity else factored - base,
-        materialized=0.0 if identity else materialized - base,
+        factored=factored - base,
+        materialized=materialized - base,
     )
 
 

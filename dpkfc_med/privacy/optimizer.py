@@ -234,13 +234,13 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         """
         self.precondition_grad_samples()
         ghost = self._ghost_params()
+        layer_sq = {id(r): r.norms_sq(self.unit_ids) for r, _ in ghost.values()}
         ghost_sq: dict[int, Tensor] = {}
-        for rows in {id(r): r for r, _ in ghost.values()}.values():
-            w_sq, b_sq = rows.norms_sq(self.unit_ids)
-            for kind, sq_k in (("weight", w_sq), ("bias", b_sq)):
-                p = getattr(rows.module, kind, None)
-                if sq_k is not None and p is not None and id(p) in ghost:
-                    ghost_sq[id(p)] = sq_k
+        for pid, (rows, kind) in ghost.items():
+            w_sq, b_sq = layer_sq[id(rows)]
+            sq_p = w_sq if kind == "weight" else b_sq
+            assert sq_p is not None  # a bias parameter has a bias column
+            ghost_sq[pid] = sq_p
         grads = [
             None if id(p) in ghost else self._per_unit(self._get_flat_grad_sample(p))
             for p in self.params
@@ -255,7 +255,6 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         if n == 0:
             sq = torch.zeros(0, len(grads))
             norms = torch.zeros(0)
-            device = self.params[0].device if self.params else torch.device("cpu")
         else:
             # Same arithmetic as Opacus (per-parameter norms, then their norm), so DP-SGD
             # through this optimizer is bit-for-bit Opacus.
