@@ -6,6 +6,8 @@ Run the whole study (MSD Task04 hippocampus, epsilon 8, 3 and 1, seeds 1-3)::
     python benchmarks/segmentation.py --study levers      # the recipe's levers at epsilon 8
     python benchmarks/segmentation.py --study levers --lever-epsilons 3   # ... at epsilon 3
     python benchmarks/segmentation.py --study shipped     # the shipped configs, as shipped
+    python benchmarks/segmentation.py --epsilons 8 \
+        --methods dp-sgd,dp-kfc,dp-kfc-shampoo,dp-kfc-diagonal   # the preconditioner families
 
 Every run is the CLI pipeline (`dpkfc_med.training.train`) on ``--config`` with only the method,
 target epsilon, learning rate and seed changed (and, in the lever study, the lever's fields).
@@ -57,6 +59,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import ROOT, _environment, _git_commit, _load, _merge, _save  # noqa: E402
 
 METHODS = ("nonprivate", "dp-sgd", "dp-kfc")
+# The other probe-only preconditioner families, run through the same protocol as DP-KFC's
+# default family (K-FAC): the method and the config fields it changes.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "dp-kfc-shampoo": {"method": "dp-kfc", "preconditioner": {"family": "shampoo"}},
+    "dp-kfc-diagonal": {"method": "dp-kfc", "preconditioner": {"family": "diagonal"}},
+}
+PRIVATE = (*METHODS[1:], *FAMILIES)
 
 # One lever changed at a time from the shipped config (the lever study).
 LEVERS: dict[str, dict[str, Any]] = {
@@ -214,8 +223,10 @@ def _config_for(base: dict[str, Any], key: dict[str, Any]) -> dict[str, Any]:
     clip = lever.get("privacy", {}).get("max_grad_norm")
     if isinstance(clip, str) and clip.startswith("x"):
         lever["privacy"]["max_grad_norm"] = base["privacy"]["max_grad_norm"] * float(clip[1:])
+    family = json.loads(json.dumps(FAMILIES.get(key["method"], {})))
     extra: dict[str, Any] = {
-        "method": key["method"],
+        **family,
+        "method": family.get("method", key["method"]),
         "training": {"lr": key["lr"], "seed": key["seed"]},
         # research protocol: the same batches and noise for every method per seed
         "privacy": {"reproducible_noise": True},
@@ -311,7 +322,7 @@ def gap_fractions(data: dict[str, Any]) -> dict[float, dict[str, float]]:
             continue
         floor = _mean_std([r["test"]["mean_dice"] for r in sgd])[0]
         out[eps] = {}
-        for method in METHODS[1:]:
+        for method in PRIVATE:
             runs = _eval_runs(data, method, eps)
             if runs and top > floor:
                 dice = _mean_std([r["test"]["mean_dice"] for r in runs])[0]
@@ -331,7 +342,7 @@ def compact_table(data: dict[str, Any]) -> list[str]:
         lines.append(
             "| non-private | " + " | ".join([f"{m:.3f} +- {sd:.3f}"] * len(eps_list)) + " |"
         )
-    for method in METHODS[1:]:
+    for method in [m for m in PRIVATE if any(r["method"] == m for r in data["runs"])]:
         cells = []
         for eps in eps_list:
             runs = _eval_runs(data, method, eps)
@@ -376,7 +387,7 @@ def summarize(data: dict[str, Any]) -> str:
         "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
     ]
     rows: list[tuple[str, float | None]] = [("nonprivate", None)]
-    rows += [(m, e) for e in data.get("epsilons") or [] for m in METHODS[1:]]
+    rows += [(m, e) for e in data.get("epsilons") or [] for m in PRIVATE]
     for method, eps in rows:
         runs = _eval_runs(data, method, eps)
         if not runs:
@@ -614,7 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--config", type=Path, default=ROOT / "configs/hippocampus_unet_3d_eps8.yaml")
     p.add_argument("--study", choices=("main", "levers", "shipped"), default="main")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma list of {', '.join((*METHODS, *FAMILIES))} (the last are DP-KFC's other "
+        "preconditioner families)",
+    )
     p.add_argument("--epsilons", default="8,3,1")
     p.add_argument("--lrs", default="0.003,0.01,0.03")
     p.add_argument("--seeds", default="1,2,3")
@@ -645,8 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     base = yaml.safe_load(args.config.read_text())
     methods = args.methods.split(",")
     for method in methods:
-        if method not in METHODS:
-            p.error(f"--methods: unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method not in (*METHODS, *FAMILIES):
+            p.error(
+                f"--methods: unknown method {method!r}; choose from "
+                f"{', '.join((*METHODS, *FAMILIES))}"
+            )
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     data = _load(out)
@@ -662,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
                 "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
                 "lrs": [float(x) for x in args.lrs.split(",")],
                 "seeds": [int(s) for s in args.seeds.split(",")],
-                "epsilons": epsilons,
+                # a study of some methods at some epsilons keeps the other epsilons' rows
+                "epsilons": sorted({*(data.get("epsilons") or []), *epsilons}, reverse=True),
                 "tuning_seed": 0,
                 "workers": args.workers,
                 "environment": _environment(),
