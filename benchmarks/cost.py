@@ -480,12 +480,19 @@ def setup_method(
     shape: tuple[int, ...],
     seed: int,
     kfc: dict[str, Any] | None = None,
+    precision: str = "float32",
 ) -> Runner:
     """Wrap ``model`` (modified in place) for ``method`` and return its step function.
 
     Args:
         kfc: ``PreconditionerConfig`` field overrides for dp-kfc (default: none).
+        precision: ``training.precision`` of the forward pass, for every method alike
+            (``bf16``: bfloat16 autocast; Opacus' hooks then keep bfloat16 per-sample
+            gradients, ours cast them to float32).
     """
+    from dpkfc_med.training.precision import check_precision, forward_autocast
+
+    autocast = check_precision(precision, x.device)
     t0 = time.perf_counter()
     batch = x.shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -559,7 +566,9 @@ def setup_method(
 
     def step() -> None:
         popt.zero_grad(set_to_none=True)
-        loss = loss_fn(net(x), y)
+        with forward_autocast(autocast, x.device):
+            out = net(x)
+        loss = loss_fn(out.float(), y)
         loss.backward()
         popt.step()
 
@@ -614,6 +623,7 @@ def measure_timing(
     kfc: dict[str, Any] | None = None,
     extrapolate: bool = True,
     profile_steps: int = 0,
+    precision: str = "float32",
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """Time every method alternately on one model and time the dp-kfc refresh.
@@ -632,6 +642,7 @@ def measure_timing(
         kfc: ``PreconditionerConfig`` overrides for dp-kfc.
         extrapolate: extrapolate the refresh time to the default number of probes.
         profile_steps: profile this many opacus and dp-kfc steps (0: no profile).
+        precision: the forward pass's ``training.precision`` (every method).
         log: progress printer.
 
     Returns:
@@ -647,7 +658,9 @@ def measure_timing(
     errors: dict[str, str] = {}
     for m in methods:
         try:
-            runners[m] = setup_method(m, case, copy.deepcopy(base), x, y, shape, seed, kfc)
+            runners[m] = setup_method(
+                m, case, copy.deepcopy(base), x, y, shape, seed, kfc, precision
+            )
             log(f"  set up {m} in {runners[m].setup_s:.2f} s")
         except Exception as exc:  # noqa: BLE001 - record and measure the other methods
             errors[m] = _err(exc)
@@ -906,7 +919,8 @@ def measure_memory_job(job: dict[str, Any]) -> dict[str, Any]:
     # Warm-up on a throwaway copy: one set-up and step of the same method, then freed, so that
     # one-time library initialisation (BLAS/LAPACK workspaces, FFT plans, oneDNN primitives)
     # is not charged to any method; the measured set-up and steps below start warm.
-    warm = setup_method(job["method"], case, *model_and_batch(), shape, seed, kfc)
+    precision = job.get("precision", "float32")
+    warm = setup_method(job["method"], case, *model_and_batch(), shape, seed, kfc, precision)
     warm.step()
     warm.release()
     del warm
@@ -916,7 +930,7 @@ def measure_memory_job(job: dict[str, Any]) -> dict[str, Any]:
     _trim()
     baseline = mem.current()
     mem.reset()
-    runner = setup_method(job["method"], case, model, x, y, shape, seed, kfc)
+    runner = setup_method(job["method"], case, model, x, y, shape, seed, kfc, precision)
     _sync(device)
     setup_peak = mem.peak()
     _trim()
@@ -1402,7 +1416,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result.get('package_source', {}).get('newest_mtime', 'n/a')}); seeds {cfg['seeds']}",
         f"- Load average (1/5/15 min) at start {result['loadavg_start']}, at end "
         f"{result['loadavg_end']}" + _load_warning(result),
-        f"- Step = zero_grad + forward + loss + backward + optimizer.step on one fixed batch; "
+        f"- Step = zero_grad + forward + loss + backward + optimizer.step on one fixed batch "
+        f"(forward in {_precision_text(cfg)}); "
         f"SGD lr {LR}; sigma {NOISE_MULTIPLIER}, C {MAX_GRAD_NORM}. Methods timed round-robin "
         "(order rotating per round); median over all timed steps.",
         f"- Peak memory: {result['memory_method']}; each (model, method) in a fresh process.",
@@ -1582,6 +1597,12 @@ def plan_model(
     return plan
 
 
+def _precision_text(cfg: dict[str, Any]) -> str:
+    if cfg.get("precision", "float32") == "bf16":
+        return "bfloat16 autocast for every method; our engines' per-sample gradients in float32"
+    return "float32"
+
+
 def _methods(args: argparse.Namespace) -> tuple[str, ...]:
     """The methods to measure (``--methods``), in the table's order."""
     chosen = [m.strip() for m in args.methods.split(",")]
@@ -1611,6 +1632,7 @@ def _memory_job(case: Case, plan: Plan, method: str, args: argparse.Namespace) -
         "threads": args.threads,
         "steps": args.memory_steps or (1 if args.quick else 2),
         "kfc": kfc,
+        "precision": args.precision,
     }
 
 
@@ -1648,6 +1670,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] | None 
         "config": {
             "quick": quick,
             "device": str(device),
+            "precision": args.precision,
             "threads": args.threads,
             "seeds": {
                 "model_init": args.seed,
@@ -1700,6 +1723,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] | None 
             methods=_methods(args),
             extrapolate=not quick,
             profile_steps=args.profile_steps if args.profile else 0,
+            precision=args.precision,
             log=log,
         )
         mr.update(
@@ -1752,6 +1776,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS)
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=["float32", "bf16"],
+        help="forward pass of every method: float32, or bf16 autocast (training.precision)",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per method and round")
     p.add_argument("--rounds", type=int, default=None, help="round-robin rounds")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per method")

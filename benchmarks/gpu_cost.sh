@@ -7,7 +7,8 @@
 # Writes benchmarks/results/cost_cuda.{json,md}. Budgeted to finish in under 8 minutes: a hard
 # timeout of 7 min 50 s interrupts it otherwise, and the models measured so far are already
 # saved (cost.py writes its JSON/Markdown after every model). Environment: PYTHON (interpreter,
-# default .venv/bin/python or python), GPU (device index, default 0), THREADS (CPU threads, 2).
+# default .venv/bin/python or python), GPU (device index, default 0), THREADS (CPU threads, 2),
+# BUDGET_S (the timeout in seconds, default 470).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
@@ -17,5 +18,5 @@ fi
 export CUDA_VISIBLE_DEVICES="${GPU:-${CUDA_VISIBLE_DEVICES:-0}}"
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible")'
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
-exec timeout --signal=INT --kill-after=10 470 \
+exec timeout --signal=INT --kill-after=10 "${BUDGET_S:-470}" \
     "$PY" benchmarks/cost.py --device cuda --threads "${THREADS:-2}" --steps 6 --refresh-reps 2 "$@"

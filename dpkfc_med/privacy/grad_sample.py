@@ -238,6 +238,21 @@ def _preconditioned_sampler(
     return out
 
 
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The floating dtype of ``module``'s own trainable parameters (None without any)."""
+    for p in module.parameters(recurse=False):
+        if p.requires_grad and p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _in_dtype(t: Any, dtype: torch.dtype | None) -> Any:
+    """``t`` cast to ``dtype`` when it is a floating tensor of another dtype; else ``t``."""
+    if dtype is None or not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
 class PreconditionedGradSampleModule(GradSampleModule):
     """Opacus ``GradSampleModule`` with preconditioned grad samplers for covered layers.
 
@@ -285,6 +300,26 @@ class PreconditionedGradSampleModule(GradSampleModule):
             self.raw_norms_sq,
             (self.clipping, self.ghost_rows),
         )
+
+    def rearrange_grad_samples(
+        self, *, module: nn.Module, backprops: Tensor, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[Tensor], Tensor]:
+        """Opacus' rearrangement, with activations and errors in the parameters' dtype.
+
+        Under mixed precision (bfloat16 autocast) a layer's captured input and output error
+        are bfloat16 while its parameters are float32. Every sampler -- Opacus', functorch's
+        and the preconditioned one, ghost norms included -- then works in float32, so norms,
+        transforms and the clipped sum do not round to bfloat16. The error is cast before
+        Opacus scales it by the batch size for a mean loss.
+        """
+        dtype = _param_dtype(module)
+        activations, backprops = super().rearrange_grad_samples(
+            module=module,
+            backprops=_in_dtype(backprops, dtype),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        return [_in_dtype(a, dtype) for a in activations], backprops
 
     def add_hooks(self, *args: Any, **kwargs: Any) -> None:
         """Prepare functorch for covered types Opacus has no formula for, then add hooks.

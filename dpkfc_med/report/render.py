@@ -1063,6 +1063,12 @@ def _reproducibility(report: Mapping[str, Any]) -> list[Block]:
         ("Config SHA-256", Span(run["config_sha256"])),
         ("Seed", run["seed"]),
         ("Device", run["device"]),
+        (
+            "Training precision",
+            "bfloat16 forward/backward; per-sample gradients, clipping and noise in float32"
+            if run.get("precision") == "bf16"
+            else "float32",
+        ),
         ("Git commit", commit),
         ("Python", f"{env['python']} {env.get('python_implementation', '')}".strip()),
         ("Platform", env.get("platform")),

@@ -189,6 +189,10 @@ class TrainingConfig:
             under differential privacy.
         eval_every: validate (and consider for model selection) every this many epochs, and
             after the last one.
+        precision: ``float32``, or ``bf16``: the training forward and backward passes under
+            bfloat16 autocast (faster on GPUs), with per-sample gradients, norms, clipping and
+            noise in float32 (:mod:`dpkfc_med.training.precision`). Refreshes, pretraining
+            and evaluation stay in float32.
     """
 
     epochs: int = 5
@@ -205,6 +209,7 @@ class TrainingConfig:
     seed: int = 0
     eval_batch_size: int = 256
     device: str = "cpu"
+    precision: str = "float32"
     threads: int | None = None
     progress: bool = True
 
@@ -305,6 +310,7 @@ _CHOICES: dict[str, list[str]] = {
     "training.optimizer": ["sgd", "adam", "adambc"],
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
+    "training.precision": ["float32", "bf16"],
     "privacy.accountant": ["prv", "rdp"],
     "privacy.clipping": ["auto", "ghost", "per_sample"],
     "probes.target": ["uniform", "model", "shapes"],

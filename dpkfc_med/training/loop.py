@@ -64,6 +64,12 @@ from dpkfc_med.training.plan import (
     plan_privacy,
     resume_replans,
 )
+from dpkfc_med.training.precision import (
+    Precision,
+    backend_settings,
+    check_precision,
+    forward_autocast,
+)
 from dpkfc_med.training.pretrain import PretrainSpec, pretrain_synthetic
 from dpkfc_med.training.schedule import WeightAverage, lr_factor
 from dpkfc_med.training.tasks import Task, build_task
@@ -189,6 +195,8 @@ class _Run:
         self.ema: WeightAverage | None = None
         self.pretrain: dict[str, Any] | None = None  # provenance of data-free pretraining
         self.total_steps = 0  # planned optimizer steps (the lr schedule's horizon)
+        self.precision = Precision.FLOAT32  # the training forward pass (training.precision)
+        self.backends: dict[str, bool] = {}  # CUDA backend settings in force while training
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         """The network that is validated, selected and released: the weight average if on."""
@@ -226,6 +234,10 @@ def train(
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     device = _device(cfg.training.device)
+    try:
+        precision = check_precision(cfg.training.precision, device)
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
     method = cfg.method_enum
     # ---------------------------------------------------------------- 1. validate all input
     task = build_task(cfg, data_path)
@@ -247,6 +259,7 @@ def train(
     if plan is not None:
         log.info("privacy plan (%s): %s", opening.kind, describe_plan(plan))
     state = _Run(cfg, task, run_dir, device)
+    state.precision = precision
     if cfg.pretrain.steps and opening.kind != "checkpoint":  # a checkpoint holds its weights
         state.pretrain = _pretrain(cfg, task, model, device)
     state.total_steps = (
@@ -329,7 +342,7 @@ def train(
     # ---------------------------------------------------------------- 3. train
     status = "incomplete"
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), backend_settings(device) as state.backends:
             epochs_this_session = 0
             while state.epoch < cfg.training.epochs:
                 if engine is not None and popt.steps_taken >= plan["planned_steps"]:  # type: ignore[index]
@@ -678,8 +691,9 @@ def _train_epoch(
             if engine is not None:
                 noise_only_step(popt)
         else:
-            out = pmodel(x)
-            loss = task.loss(out, y)
+            with forward_autocast(state.precision, state.device):
+                out = pmodel(x)
+            loss = task.loss(_float32(out), y)
             loss.backward()
             if units is not None and engine is not None:
                 popt.set_unit_ids(units.to(state.device))
@@ -699,6 +713,15 @@ def _train_epoch(
         bar.set_postfix(loss=f"{loss_value:.3f}", **state.bar_epsilon, img_s=f"{rate:.0f}")
     _fill_epsilon(state, engine)
     log.info("epoch %d done: %d samples, %.1f s", state.epoch + 1, seen, time.perf_counter() - t0)
+
+
+def _float32(out: Any) -> Any:
+    """A network output (tensor, or tuple/list of them) with low-precision floats in float32."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_float32(o) for o in out)
+    return out
 
 
 def _pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device) -> dict[str, Any]:
@@ -1111,6 +1134,8 @@ def build_report(
             "config": cfg.to_dict(),
             "seed": cfg.training.seed,
             "device": str(state.device),
+            "precision": state.precision.value,
+            **({"backends": state.backends} if state.backends else {}),
         },
         "task": {
             "kind": task.kind,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -117,3 +119,32 @@ def test_transform_macs_follow_the_sampler_paths(cost, fast_build):
     assert low["transform"] == 25 * 2 * 257 * 64  # rows times V, then times (V diag d)^T
     # U_C on the 169 input positions, U_K on the per-sample gradient's 32 x 16 blocks
     assert kron[conv2["layer"]]["transform"] == 169 * 16 * 16 + 32 * 16 * 16 * 16
+
+
+def test_bf16_step_runs_for_every_method(cost, fast_build):
+    """Under bf16 autocast every method takes a step that moves the weights, all finite.
+
+    (Float32 per-sample gradients under bf16 are checked in tests/privacy/test_precision.py.)
+    """
+    case = cost.CASES["small_cnn"]
+    x, y = cost.make_batch(case, 4, (28, 28), 0)
+    for method in cost.METHODS:
+        model, _ = cost.build_network(case, 0, (28, 28))
+        before = [p.detach().clone() for p in model.parameters()]
+        kfc = {"num_probes": 16, "calibration_samples": 4}
+        runner = cost.setup_method(method, case, model, x, y, (28, 28), 0, kfc, "bf16")
+        runner.step()
+        after = list(model.parameters())
+        assert all(bool(torch.isfinite(p).all()) for p in after), method
+        assert any(not torch.equal(a, b) for a, b in zip(after, before)), method
+        runner.release()
+
+
+def test_gpu_check_script_names_files_that_exist():
+    root = COST_PY.parents[1]
+    script = (root / "benchmarks" / "gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(root / "benchmarks" / "gpu_check.sh")], check=True)
+    named = re.findall(r"(tests/\S+\.py|benchmarks/\S+\.sh)", script)
+    assert "tests/privacy/test_precision.py" in named and "benchmarks/gpu_cost.sh" in named
+    for path in named:
+        assert (root / path).is_file(), path

@@ -161,3 +161,24 @@ def test_grid_widens_beyond_an_edge_for_every_method(seg):
     data["runs"].append(_run("tune", "dp-sgd", 8.0, 0.1, 0, val=0.1))
     data["runs"][2]["val"]["mean_dice"] = 0.2  # dp-sgd's 0.01 run: its best is now 0.03
     assert seg._best_lr(data, "dp-sgd", 8.0) == 0.03
+
+
+def test_preconditioner_families_run_the_same_protocol(seg):
+    """A family is DP-KFC with its config field set, tuned, scored and tabled like DP-KFC."""
+    base = {"method": "dp-kfc", "privacy": {"target_epsilon": 8.0}, "training": {"lr": 1.0}}
+    key = {"lever": "shipped", "method": "dp-kfc-shampoo", "lr": 0.03, "seed": 1, "eps": 8.0}
+    cfg = seg._config_for(base, key)
+    assert cfg["method"] == "dp-kfc" and cfg["preconditioner"] == {"family": "shampoo"}
+    assert cfg["training"] == {"lr": 0.03, "seed": 1}
+    data = _data()
+    data["runs"] += [
+        _run("tune", "dp-kfc-shampoo", 8.0, 0.01, 0, val=0.65),
+        _run("tune", "dp-kfc-shampoo", 8.0, 0.03, 0, val=0.50),
+        _run("eval", "dp-kfc-shampoo", 8.0, 0.01, 1, test=0.64),
+        _run("eval", "dp-kfc-shampoo", 8.0, 0.01, 2, test=0.66),
+    ]
+    # non-private 0.85, DP-SGD 0.32: (0.65 - 0.32) / (0.85 - 0.32)
+    assert seg.gap_fractions(data)[8.0]["dp-kfc-shampoo"] == pytest.approx(0.33 / 0.53)
+    table = "\n".join(seg.compact_table(data))
+    assert "| dp-kfc-shampoo | 0.650" in table
+    assert "dp-kfc-diagonal" not in table  # no runs: no row

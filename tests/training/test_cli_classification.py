@@ -471,3 +471,15 @@ def test_train_with_another_preconditioner_family(family, tmp_path):
     assert pre["uses_private_data"] is False
     text = (run / "privacy_report.md").read_text()
     assert f"a {family.capitalize()} preconditioner" in text or f"a {family} preconditioner" in text
+
+
+def test_train_in_bf16_reports_its_precision(tmp_path):
+    """A bf16 run trains, spends within the target and says in the report how it computed."""
+    cfg = _config(tmp_path, training={"precision": "bf16", "epochs": 1})
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(run)]) == 0
+    report = _report(run)
+    assert report["run"]["precision"] == "bf16"
+    assert report["privacy"]["epsilon"]["prv"] <= 4.0
+    text = (run / "privacy_report.md").read_text()
+    assert "bfloat16 forward/backward; per-sample gradients" in text
