@@ -342,7 +342,7 @@ def compact_table(data: dict[str, Any]) -> list[str]:
         lines.append(
             "| non-private | " + " | ".join([f"{m:.3f} +- {sd:.3f}"] * len(eps_list)) + " |"
         )
-    for method in [m for m in PRIVATE if any(r["method"] == m for r in data["runs"])]:
+    for method in [m for m in PRIVATE if any(_eval_runs(data, m, e) for e in eps_list)]:
         cells = []
         for eps in eps_list:
             runs = _eval_runs(data, method, eps)
@@ -511,15 +511,16 @@ def _evidence_lines(data: dict[str, Any]) -> list[str]:
     """Per-layer share of the clipped norm and SNR, seed-1 evaluation runs, per epsilon."""
     lines: list[str] = []
     for eps in data.get("epsilons") or []:
-        runs = {m: _eval_runs(data, m, eps) for m in METHODS[1:]}
+        runs = {m: _eval_runs(data, m, eps) for m in PRIVATE}
         first = {
             m: next((r for r in rs if r["seed"] == min(x["seed"] for x in rs)), None)
             for m, rs in runs.items()
             if rs
         }
-        if len(first) < 2:
+        if len(first) < 2 or "dp-kfc" not in first:
             continue
         ev = {m: r.get("evidence") or {} for m, r in first.items() if r}
+        shown = [m for m in PRIVATE if m in ev]
         layers = list((ev.get("dp-kfc") or {}).get("mean_layer_share") or {})
         if not layers:
             continue
@@ -534,13 +535,15 @@ def _evidence_lines(data: dict[str, Any]) -> list[str]:
                 f"{m} {e.get('mean_clipped_fraction', float('nan')):.2f}" for m, e in ev.items()
             ),
             "",
-            "| layer | share dp-sgd | share dp-kfc | SNR dp-sgd | SNR dp-kfc |",
-            "|---|---|---|---|---|",
+            "| layer | "
+            + " | ".join(f"{what} {m}" for what in ("share", "SNR") for m in shown)
+            + " |",
+            "|---|" + "---|" * (2 * len(shown)),
         ]
         for layer in layers:
             cells = []
             for field in ("mean_layer_share", "mean_layer_snr"):
-                for m in ("dp-sgd", "dp-kfc"):
+                for m in shown:
                     v = (ev.get(m, {}).get(field) or {}).get(layer)
                     cells.append("-" if v is None else f"{v:.3g}")
             lines.append(f"| {layer} | " + " | ".join(cells) + " |")
