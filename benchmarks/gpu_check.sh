@@ -2,7 +2,7 @@
 # GPU check on one GPU, in under 8 minutes:
 #   1. the tests that run on every device the machine has (bf16 autocast with float32
 #      per-sample gradients, clipping-mode agreement, sensitivity <= C with units of 3
-#      patients, the CUDA backend settings), plus the ghost-clipping and engine tests on CPU;
+#      patients, the CUDA backend settings), plus the privacy engine's core tests;
 #   2. the full cost benchmark in float32 (benchmarks/gpu_cost.sh) -> results/cost_cuda.{json,md};
 #   3. the small CNN and the UNet 3D with bfloat16 autocast -> results/cost_cuda_bf16.{json,md}.
 #
@@ -23,7 +23,7 @@ export CUDA_VISIBLE_DEVICES="${GPU:-${CUDA_VISIBLE_DEVICES:-0}}"
 status=0
 echo "== 1. tests on CUDA and CPU"
 timeout --signal=INT --kill-after=10 "${TESTS_S:-100}" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider \
-    tests/privacy/test_precision.py tests/privacy/test_ghost.py tests/privacy/test_privacy_core.py || status=1
+    tests/privacy/test_precision.py tests/privacy/test_privacy_core.py || status=1
 echo "== 2. cost benchmark, float32"
 BUDGET_S="${COST_S:-250}" PYTHON="$PY" bash benchmarks/gpu_cost.sh || status=1
 echo "== 3. cost benchmark, bfloat16 autocast"
