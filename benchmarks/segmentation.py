@@ -564,7 +564,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
         m, s = _mean_std([r["test"]["mean_dice"] for r in nonprivate])
         ax.axhspan(m - s, m + s, color="grey", alpha=0.2)
         ax.axhline(m, color="grey", label="non-private")
-    for method in METHODS[1:]:
+    shown = [m for m in PRIVATE if any(_eval_runs(data, m, e) for e in eps_list)]
+    for method in shown:
         xs, ms, ss = [], [], []
         for eps in eps_list:
             runs = _eval_runs(data, method, eps)
@@ -579,10 +580,11 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("test mean Dice (mean +- std over seeds)")
     ax.legend()
     gaps = gap_fractions(data)
-    width = 0.35
-    for i, method in enumerate(METHODS[1:]):
+    width = 0.8 / len(shown)
+    for i, method in enumerate(shown):
         vals = [100 * gaps.get(e, {}).get(method, math.nan) for e in eps_list]
-        bx.bar(np.arange(len(eps_list)) + (i - 0.5) * width, vals, width, label=method)
+        offset = (i - (len(shown) - 1) / 2) * width
+        bx.bar(np.arange(len(eps_list)) + offset, vals, width, label=method)
     bx.axhline(100, color="grey", lw=0.8)
     bx.set_xticks(np.arange(len(eps_list)), [f"{e:g}" for e in eps_list])
     bx.set_xlabel("epsilon")
