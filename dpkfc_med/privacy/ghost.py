@@ -27,6 +27,7 @@ per-sample gradients (``privacy.clipping: auto``), from the layer's shapes only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 __all__ = [
     "Clipping",
     "GhostRows",
+    "MAX_GHOST_POSITIONS",
     "ghost_path_wins",
     "pair_index",
 ]
@@ -59,8 +61,14 @@ MEMORY_PASS_MACS = 8
 once and read twice (its norm, the clipped sum), streaming memory at about a tenth of the
 arithmetic rate of a CPU's matrix products."""
 
+MAX_GHOST_POSITIONS = 4096
+"""A layer with more positions per sample keeps materialised per-sample gradients even under
+``privacy.clipping: ghost``: its ghost norm costs ``T^2 (n_a + n_g)`` multiply-adds per sample,
+which for a 64^3 volume's first convolution (``T = 262144``) would take hours per step."""
+
 PAIR_CHUNK_ELEMENTS = 1 << 22
-"""Gram entries (pairs x groups x T x T) one chunk of the per-unit ghost norm may hold."""
+"""Gram entries (pairs x groups x positions x positions) one chunk of a ghost norm may hold;
+layers with more positions than fit are split into blocks of positions."""
 
 
 def ghost_path_wins(
@@ -131,37 +139,43 @@ class GhostRows:
         are numbered ``0 .. U-1`` with ``U = max(id) + 1``.
         """
         d, a = self.errors, self.rows
-        b = d.shape[0]
+        b, groups, t = d.shape[:3]
         a_w = a[..., : self.n_w]
         a_b = a[..., self.n_w :] if self.has_bias else None
-        if unit_ids is None:
-            if d.shape[2] == 1:  # one position (Linear): ||d||^2 ||a||^2 per group
-                dd = d.pow(2).sum(-1)[..., 0]
-                w = (dd * a_w.pow(2).sum(-1)[..., 0]).sum(1)
-                bias = None if a_b is None else (dd * a_b.pow(2).sum(-1)[..., 0]).sum(1)
-                return w, bias
-            gram_d = d @ d.transpose(-1, -2)  # [B, G, T, T]
-            w = (gram_d * (a_w @ a_w.transpose(-1, -2))).sum((1, 2, 3))
-            bias = None
-            if a_b is not None:
-                bias = (gram_d * (a_b @ a_b.transpose(-1, -2))).sum((1, 2, 3))
+        if unit_ids is None and t == 1:  # one position (Linear): ||d||^2 ||a||^2 per group
+            dd = d.pow(2).sum(-1)[..., 0]
+            w = (dd * a_w.pow(2).sum(-1)[..., 0]).sum(1)
+            bias = None if a_b is None else (dd * a_b.pow(2).sum(-1)[..., 0]).sum(1)
             return w, bias
-        ids = unit_ids.long().to(d.device)
+        if unit_ids is None:  # every sample its own unit: the pairs (i, i)
+            ids = torch.arange(b, device=d.device)
+            i = j = ids
+        else:
+            ids = unit_ids.long().to(d.device)
+            i, j = pair_index(ids)
         n_units = int(ids.max()) + 1 if b else 0
         w_out = d.new_zeros(n_units)
         b_out = d.new_zeros(n_units) if a_b is not None else None
-        i, j = pair_index(ids)
-        t = d.shape[2]
-        step = max(1, PAIR_CHUNK_ELEMENTS // max(1, d.shape[1] * t * t))
+        # Gram blocks of at most PAIR_CHUNK_ELEMENTS entries: position blocks of tb x tb, then
+        # as many pairs as fit, so that memory stays bounded for any T.
+        tb = min(t, max(1, math.isqrt(PAIR_CHUNK_ELEMENTS // groups)))
+        step = max(1, PAIR_CHUNK_ELEMENTS // (groups * tb * tb))
         for s in range(0, len(i), step):
             ii, jj = i[s : s + step], j[s : s + step]
-            gram_d = d[ii] @ d[jj].transpose(-1, -2)
-            w_out.index_add_(
-                0, ids[ii], (gram_d * (a_w[ii] @ a_w[jj].transpose(-1, -2))).sum((1, 2, 3))
-            )
-            if b_out is not None and a_b is not None:
-                gb = (gram_d * (a_b[ii] @ a_b[jj].transpose(-1, -2))).sum((1, 2, 3))
-                b_out.index_add_(0, ids[ii], gb)
+            w_acc = d.new_zeros(len(ii))
+            b_acc = d.new_zeros(len(ii)) if a_b is not None else None
+            for p in range(0, t, tb):
+                d_i, aw_i = d[ii, :, p : p + tb], a_w[ii, :, p : p + tb]
+                for q in range(0, t, tb):
+                    gram_d = d_i @ d[jj, :, q : q + tb].transpose(-1, -2)
+                    gram_w = aw_i @ a_w[jj, :, q : q + tb].transpose(-1, -2)
+                    w_acc += (gram_d * gram_w).sum((1, 2, 3))
+                    if b_acc is not None and a_b is not None:
+                        gram_b = a_b[ii, :, p : p + tb] @ a_b[jj, :, q : q + tb].transpose(-1, -2)
+                        b_acc += (gram_d * gram_b).sum((1, 2, 3))
+            w_out.index_add_(0, ids[ii], w_acc)
+            if b_out is not None and b_acc is not None:
+                b_out.index_add_(0, ids[ii], b_acc)
         return w_out, b_out
 
     def clipped_sum(self, coef: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import LayerAdapter, adapter_for, supported_layer_types
 from dpkfc_med.curvature.preconditioner import KroneckerBlock, raw_norms_sq
-from dpkfc_med.privacy.ghost import Clipping, GhostRows, ghost_path_wins
+from dpkfc_med.privacy.ghost import MAX_GHOST_POSITIONS, Clipping, GhostRows, ghost_path_wins
 from dpkfc_med.utils import check_choice
 
 __all__ = ["PreconditionedGradSampleModule", "RAW_NORM_SAMPLES", "raw_norm_samples"]
@@ -104,7 +104,7 @@ def ghost_chosen(mode: str, block: KroneckerBlock, positions: int) -> bool:
     if mode == "per_sample":
         return False
     if mode == "ghost":
-        return True
+        return positions <= MAX_GHOST_POSITIONS
     g, n_a, n_g = block.dims
     base = positions * g * n_a * n_g  # the raw outer product, in both of block.cost's paths
     factored, materialized = block.cost(1, positions)  # both == base without a transform

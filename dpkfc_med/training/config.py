@@ -154,7 +154,8 @@ class PrivacyConfig:
         clipping: how each unit's norm is computed before clipping: ``auto`` (per layer,
             ghost norms on the transformed rows where they cost less than a materialised
             per-sample gradient, judged from the layer's shapes), ``ghost`` (ghost norms for
-            every layer that has a row form: Linear, ConvNd, attention projections) or
+            every layer that has a row form -- Linear, ConvNd, attention projections -- and
+            at most 4096 positions per sample) or
             ``per_sample`` (materialised per-sample gradients; DP-SGD is then bit-for-bit
             Opacus). The clipped sum, the noise and the guarantee are the same in every mode.
     """

@@ -194,3 +194,35 @@ def test_ghost_choice_depends_on_shapes_only():
     assert not ghost_path_wins(positions=1024, groups=1, n_a=10, n_g=16)
     # a preconditioner whose rows cost more than its gradient shifts the choice
     assert not ghost_path_wins(positions=4, groups=1, n_a=65, n_g=16, factored=1e6)
+
+
+def test_ghost_norms_in_bounded_chunks_of_pairs_and_positions(monkeypatch, float64):
+    """Tiny chunks (blocks of 2 positions, 2 pairs) give the same norms as one big product."""
+    import dpkfc_med.privacy.ghost as ghost
+
+    g = torch.Generator().manual_seed(3)
+    d = torch.randn(6, 2, 7, 3, generator=g)
+    a = torch.randn(6, 2, 7, 5, generator=g)
+    rows = GhostRows(nn.Linear(1, 1), d, a, n_w=4)
+    units = torch.tensor([0, 1, 1, 2, 0, 1])
+    whole = (rows.norms_sq(), rows.norms_sq(units))
+    monkeypatch.setattr(ghost, "PAIR_CHUNK_ELEMENTS", 2 * 2 * 2 * 2)  # groups 2, blocks 2 x 2
+    chunked = (rows.norms_sq(), rows.norms_sq(units))
+    for (w0, b0), (w1, b1) in zip(whole, chunked):
+        torch.testing.assert_close(w1, w0)
+        torch.testing.assert_close(b1, b0)
+    per_sample = torch.einsum("bgto,bgti->bgoi", d, a)
+    torch.testing.assert_close(chunked[0][0], per_sample[..., :4].pow(2).sum((1, 2, 3)))
+
+
+def test_forced_ghost_keeps_per_sample_gradients_beyond_the_position_bound():
+    from dpkfc_med.curvature.adapters import adapter_for
+    from dpkfc_med.curvature.preconditioner import KroneckerBlock
+    from dpkfc_med.privacy.ghost import MAX_GHOST_POSITIONS
+    from dpkfc_med.privacy.grad_sample import ghost_chosen
+
+    conv = nn.Conv3d(1, 4, 3)
+    block = KroneckerBlock(name="c", module=conv, adapter=adapter_for(conv))
+    assert ghost_chosen("ghost", block, MAX_GHOST_POSITIONS)
+    assert not ghost_chosen("ghost", block, MAX_GHOST_POSITIONS + 1)
+    assert not ghost_chosen("per_sample", block, 1)
