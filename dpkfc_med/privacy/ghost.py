@@ -161,9 +161,13 @@ class GhostRows:
         tb = min(t, max(1, math.isqrt(PAIR_CHUNK_ELEMENTS // groups)))
         step = max(1, PAIR_CHUNK_ELEMENTS // (groups * tb * tb))
         for s in range(0, len(i), step):
-            ii, jj = i[s : s + step], j[s : s + step]
-            w_acc = d.new_zeros(len(ii))
-            b_acc = d.new_zeros(len(ii)) if a_b is not None else None
+            # pairs (i, i): slices, which view the rows instead of copying them
+            ii: slice | Tensor = slice(s, s + step)
+            jj: slice | Tensor = ii
+            if unit_ids is not None:
+                ii, jj = i[s : s + step], j[s : s + step]
+            w_acc = d.new_zeros(len(ids[ii]))
+            b_acc = d.new_zeros(len(ids[ii])) if a_b is not None else None
             for p in range(0, t, tb):
                 d_i, aw_i = d[ii, :, p : p + tb], a_w[ii, :, p : p + tb]
                 for q in range(0, t, tb):
