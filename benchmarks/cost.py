@@ -492,7 +492,7 @@ def setup_method(
     """
     from dpkfc_med.training.precision import check_precision, forward_autocast
 
-    autocast = check_precision(precision, x.device)
+    prec = check_precision(precision, x.device)
     t0 = time.perf_counter()
     batch = x.shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -566,7 +566,7 @@ def setup_method(
 
     def step() -> None:
         popt.zero_grad(set_to_none=True)
-        with forward_autocast(autocast, x.device):
+        with forward_autocast(prec, x.device):
             out = net(x)
         loss = loss_fn(out.float(), y)
         loss.backward()

@@ -14,12 +14,7 @@
 # Opacus/MONAI, install them first (pip install -e .; or their wheels, offline).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-}"
-if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python; fi
-fi
-export CUDA_VISIBLE_DEVICES="${GPU:-${CUDA_VISIBLE_DEVICES:-0}}"
-"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible")' || exit 1
+. benchmarks/gpu_env.sh
 status=0
 echo "== 1. tests on CUDA and CPU"
 timeout --signal=INT --kill-after=10 "${TESTS_S:-100}" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider \

@@ -11,12 +11,7 @@
 # BUDGET_S (the timeout in seconds, default 470).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-}"
-if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python; fi
-fi
-export CUDA_VISIBLE_DEVICES="${GPU:-${CUDA_VISIBLE_DEVICES:-0}}"
-"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible")'
+. benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 exec timeout --signal=INT --kill-after=10 "${BUDGET_S:-470}" \
     "$PY" benchmarks/cost.py --device cuda --threads "${THREADS:-2}" --steps 6 --refresh-reps 2 "$@"

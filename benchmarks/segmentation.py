@@ -66,6 +66,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "dp-kfc-diagonal": {"method": "dp-kfc", "preconditioner": {"family": "diagonal"}},
 }
 PRIVATE = (*METHODS[1:], *FAMILIES)
+ALL_METHODS = (*METHODS, *FAMILIES)
 
 # One lever changed at a time from the shipped config (the lever study).
 LEVERS: dict[str, dict[str, Any]] = {
@@ -304,6 +305,12 @@ def _eval_runs(data: dict[str, Any], method: str, eps: float | None) -> list[dic
     ]
 
 
+def _evaluated(data: dict[str, Any]) -> list[str]:
+    """The private methods with evaluation runs at some epsilon, in the tables' order."""
+    eps_list = data.get("epsilons") or []
+    return [m for m in PRIVATE if any(_eval_runs(data, m, e) for e in eps_list)]
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     a = np.asarray(values, dtype=float)
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
@@ -342,7 +349,7 @@ def compact_table(data: dict[str, Any]) -> list[str]:
         lines.append(
             "| non-private | " + " | ".join([f"{m:.3f} +- {sd:.3f}"] * len(eps_list)) + " |"
         )
-    for method in [m for m in PRIVATE if any(_eval_runs(data, m, e) for e in eps_list)]:
+    for method in _evaluated(data):
         cells = []
         for eps in eps_list:
             runs = _eval_runs(data, method, eps)
@@ -564,7 +571,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         m, s = _mean_std([r["test"]["mean_dice"] for r in nonprivate])
         ax.axhspan(m - s, m + s, color="grey", alpha=0.2)
         ax.axhline(m, color="grey", label="non-private")
-    shown = [m for m in PRIVATE if any(_eval_runs(data, m, e) for e in eps_list)]
+    shown = _evaluated(data)
     for method in shown:
         xs, ms, ss = [], [], []
         for eps in eps_list:
@@ -580,7 +587,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("test mean Dice (mean +- std over seeds)")
     ax.legend()
     gaps = gap_fractions(data)
-    width = 0.8 / len(shown)
+    width = 0.8 / max(1, len(shown))
     for i, method in enumerate(shown):
         vals = [100 * gaps.get(e, {}).get(method, math.nan) for e in eps_list]
         offset = (i - (len(shown) - 1) / 2) * width
@@ -633,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--methods",
         default=",".join(METHODS),
-        help=f"comma list of {', '.join((*METHODS, *FAMILIES))} (the last are DP-KFC's other "
+        help=f"comma list of {', '.join(ALL_METHODS)} (the last are DP-KFC's other "
         "preconditioner families)",
     )
     p.add_argument("--epsilons", default="8,3,1")
@@ -666,11 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     base = yaml.safe_load(args.config.read_text())
     methods = args.methods.split(",")
     for method in methods:
-        if method not in (*METHODS, *FAMILIES):
-            p.error(
-                f"--methods: unknown method {method!r}; choose from "
-                f"{', '.join((*METHODS, *FAMILIES))}"
-            )
+        if method not in ALL_METHODS:
+            p.error(f"--methods: unknown method {method!r}; choose from {', '.join(ALL_METHODS)}")
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     data = _load(out)

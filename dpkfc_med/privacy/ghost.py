@@ -166,8 +166,9 @@ class GhostRows:
             jj: slice | Tensor = ii
             if unit_ids is not None:
                 ii, jj = i[s : s + step], j[s : s + step]
-            w_acc = d.new_zeros(len(ids[ii]))
-            b_acc = d.new_zeros(len(ids[ii])) if a_b is not None else None
+            owners = ids[ii]  # the unit each pair's sum goes to
+            w_acc = d.new_zeros(len(owners))
+            b_acc = d.new_zeros(len(owners)) if a_b is not None else None
             for p in range(0, t, tb):
                 d_i, aw_i = d[ii, :, p : p + tb], a_w[ii, :, p : p + tb]
                 for q in range(0, t, tb):
@@ -177,9 +178,9 @@ class GhostRows:
                     if b_acc is not None and a_b is not None:
                         gram_b = a_b[ii, :, p : p + tb] @ a_b[jj, :, q : q + tb].transpose(-1, -2)
                         b_acc += (gram_d * gram_b).sum((1, 2, 3))
-            w_out.index_add_(0, ids[ii], w_acc)
+            w_out.index_add_(0, owners, w_acc)
             if b_out is not None and b_acc is not None:
-                b_out.index_add_(0, ids[ii], b_acc)
+                b_out.index_add_(0, owners, b_acc)
         return w_out, b_out
 
     def clipped_sum(self, coef: Tensor) -> tuple[Tensor, Tensor | None]:
