@@ -202,11 +202,17 @@ def _shipped_job(config: Path, runs_dir: Path, threads: int = 2) -> dict[str, An
     }
 
 
+def _clip(key: dict[str, Any]) -> float:
+    """The key's clip-norm scale (x the config's ``privacy.max_grad_norm``; 1 when absent)."""
+    return float(key.get("clip", 1.0))
+
+
 def _run_name(key: dict[str, Any]) -> str:
     tag = hashlib.sha256(key["lever"].encode()).hexdigest()[:8]
     lever = "" if key["lever"] == "shipped" else f"_lever{tag}"
     eps = "np" if key["eps"] is None else f"eps{key['eps']:g}"
-    return f"{key['method']}_{eps}_lr{key['lr']:g}_s{key['seed']}{lever}"
+    clip = "" if _clip(key) == 1.0 else f"_c{_clip(key):g}"
+    return f"{key['method']}_{eps}_lr{key['lr']:g}{clip}_s{key['seed']}{lever}"
 
 
 def _display_path(path: Path) -> str:
@@ -234,11 +240,14 @@ def _config_for(base: dict[str, Any], key: dict[str, Any]) -> dict[str, Any]:
     }
     if key["eps"] is not None:
         extra["privacy"]["target_epsilon"] = key["eps"]
-    return _merge(_merge(base, lever), extra)
+    cfg = _merge(_merge(base, lever), extra)
+    if _clip(key) != 1.0:
+        cfg["privacy"]["max_grad_norm"] = cfg["privacy"]["max_grad_norm"] * _clip(key)
+    return cfg
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(
+    return _clip(a) == _clip(b) and all(
         a.get(k) == b.get(k) for k in ("study", "lever", "phase", "method", "eps", "lr", "seed")
     )
 
@@ -275,9 +284,20 @@ def _step(lr: float, *, up: bool) -> float:
     return float(f"{(1 if mantissa > 2 else 0.3) * 10**e:.3g}")
 
 
-def _best_lr(data: dict[str, Any], method: str, eps: float | None) -> float | None:
-    """The grid learning rate with the best validation Dice in the tuning runs."""
+def _clips(data: dict[str, Any], eps: float | None) -> list[float]:
+    """The clip-norm scales tuned at ``eps`` (``--clip-scales``; none without a clip norm)."""
+    return [1.0] if eps is None else sorted(data.get("clip_scales") or [1.0])
+
+
+def _best(
+    data: dict[str, Any], method: str, eps: float | None, clip: float | None = None
+) -> dict[str, Any] | None:
+    """The tuning run on the (learning rate, clip scale) grid with the best validation Dice.
+
+    ``clip`` restricts the grid to one clip scale (the lever study runs at the config's).
+    """
     lrs = set(_grid(data, eps))
+    clips = set(_clips(data, eps)) if clip is None else {clip}
     tune = [
         r
         for r in data["runs"]
@@ -286,21 +306,32 @@ def _best_lr(data: dict[str, Any], method: str, eps: float | None) -> float | No
         and r["method"] == method
         and r["eps"] == eps
         and (not lrs or r["lr"] in lrs)
+        and _clip(r) in clips
     ]
-    return max(tune, key=lambda r: r["val"]["mean_dice"])["lr"] if tune else None
+    return max(tune, key=lambda r: r["val"]["mean_dice"]) if tune else None
+
+
+def _best_lr(
+    data: dict[str, Any], method: str, eps: float | None, clip: float | None = None
+) -> float | None:
+    """The learning rate of the best tuning run (see ``_best``)."""
+    best = _best(data, method, eps, clip)
+    return None if best is None else best["lr"]
 
 
 def _eval_runs(data: dict[str, Any], method: str, eps: float | None) -> list[dict[str, Any]]:
-    best = _best_lr(data, method, eps)
+    best = _best(data, method, eps)
     seeds = set(data.get("seeds") or [])
     return [
         r
         for r in data["runs"]
-        if r.get("study", "main") == "main"
+        if best is not None
+        and r.get("study", "main") == "main"
         and r["phase"] == "eval"
         and r["method"] == method
         and r["eps"] == eps
-        and r["lr"] == best
+        and r["lr"] == best["lr"]
+        and _clip(r) == _clip(best)
         and (not seeds or r["seed"] in seeds)
     ]
 
@@ -366,6 +397,13 @@ def compact_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _clip_cell(base_clip: float | None, run: dict[str, Any]) -> str:
+    if run["eps"] is None:
+        return "-"
+    scale = _clip(run)
+    return f"{base_clip * scale:g}" if base_clip is not None else f"x{scale:g}"
+
+
 def summarize(data: dict[str, Any]) -> str:
     """Markdown: test Dice per epsilon and method, gap fractions, HD95, evidence, tuning, levers."""
     names = data.get("class_names") or []
@@ -383,15 +421,16 @@ def summarize(data: dict[str, Any]) -> str:
         return f"{np.mean(vals):.2f}" if vals else "-"
 
     gaps = gap_fractions(data)
+    base_clip = (data.get("config_contents") or {}).get("privacy", {}).get("max_grad_norm")
     lines = [
         f"## {data.get('config')} (test cases; mean +- std over seeds {data.get('seeds')})",
         "",
         *compact_table(data),
         "",
-        "| method | target epsilon | lr (chosen on val) | test mean Dice | "
+        "| method | target epsilon | lr (chosen on val) | clip norm (chosen on val) | test mean Dice | "
         + " | ".join(f"Dice {n}" for n in names)
         + " | HD95 mm (mean of classes) | gap closed | eps spent | minutes per run | runs |",
-        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
+        "|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
     ]
     rows: list[tuple[str, float | None]] = [("nonprivate", None)]
     rows += [(m, e) for e in data.get("epsilons") or [] for m in PRIVATE]
@@ -404,7 +443,7 @@ def summarize(data: dict[str, Any]) -> str:
         gap = gaps.get(eps, {}).get(method) if eps is not None else None
         lines.append(
             f"| {method} | {'-' if eps is None else f'{eps:g}'} | {runs[0]['lr']:g} | "
-            f"{fmt([r['test']['mean_dice'] for r in runs])} | "
+            f"{_clip_cell(base_clip, runs[0])} | {fmt([r['test']['mean_dice'] for r in runs])} | "
             + " | ".join(per_class)
             + f" | {hd(runs)} | {'-' if gap is None else f'{100 * gap:.0f} %'} | "
             f"{f'{max(spent):.3f}' if spent else '-'} | "
@@ -415,20 +454,24 @@ def summarize(data: dict[str, Any]) -> str:
         "",
         "Tuning runs (seed 0, validation mean Dice):",
         "",
-        "| method | target epsilon | lr | val mean Dice |",
-        "|---|---|---|---|",
+        "| method | target epsilon | lr | clip norm | val mean Dice |",
+        "|---|---|---|---|---|",
     ]
     for r in data["runs"]:
         if r.get("study", "main") == "main" and r["phase"] == "tune":
             eps = "-" if r["eps"] is None else f"{r['eps']:g}"
-            lines.append(f"| {r['method']} | {eps} | {r['lr']:g} | {r['val']['mean_dice']:.3f} |")
+            lines.append(
+                f"| {r['method']} | {eps} | {r['lr']:g} | {_clip_cell(base_clip, r)} | "
+                f"{r['val']['mean_dice']:.3f} |"
+            )
     all_levers = [r for r in data["runs"] if r.get("study") == "levers"]
     for eps in sorted({r["eps"] for r in all_levers}, reverse=True):
         lever_runs = [r for r in all_levers if r["eps"] == eps]
         lines += [
             "",
             f"Lever study (epsilon {eps:g}, seed 0, validation mean Dice; one change from the "
-            "shipped config; each method at its learning rate chosen above):",
+            "shipped config; each method at its learning rate chosen above at the config's clip "
+            "norm):",
             "",
             "| lever | " + " | ".join(METHODS[1:]) + " | clipped fraction (dp-sgd / dp-kfc) |",
             "|---|---|---|---|",
@@ -439,7 +482,8 @@ def summarize(data: dict[str, Any]) -> str:
             if r.get("study", "main") == "main"
             and r["phase"] == "tune"
             and r["eps"] == eps
-            and r["lr"] == _best_lr(data, r["method"], eps)
+            and _clip(r) == 1.0
+            and r["lr"] == _best_lr(data, r["method"], eps, 1.0)
         ]
         for lever in LEVERS:
             cells, clipped = [], []
@@ -645,6 +689,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--epsilons", default="8,3,1")
     p.add_argument("--lrs", default="0.003,0.01,0.03")
+    p.add_argument(
+        "--clip-scales",
+        default="1,0.25",
+        help="clip norms tuned with every learning rate, as multiples of the config's "
+        "privacy.max_grad_norm (every private method gets the same grid)",
+    )
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument(
         "--widen",
@@ -689,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                 "config_contents": base,
                 "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
                 "lrs": [float(x) for x in args.lrs.split(",")],
+                "clip_scales": [float(x) for x in args.clip_scales.split(",")],
                 "seeds": [int(s) for s in args.seeds.split(",")],
                 # a study of some methods at some epsilons keeps the other epsilons' rows
                 "epsilons": sorted({*(data.get("epsilons") or []), *epsilons}, reverse=True),
@@ -705,9 +756,10 @@ def main(argv: list[str] | None = None) -> int:
             if eps is None and "nonprivate" not in methods:
                 continue
             tune = [
-                {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0}
+                {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0, "clip": c}
                 for m in ms
                 for lr in _grid(data, eps)
+                for c in _clips(data, eps)
             ]
             _run_all(tune, base, data, out, args.runs_dir, args.workers)
             for _ in range(args.widen):  # a best on the grid's edge: one more point for all
@@ -716,8 +768,17 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 data.setdefault("widened", {}).setdefault(_eps_key(eps), []).append(lr)
                 more = [
-                    {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0}
+                    {
+                        **common,
+                        "phase": "tune",
+                        "method": m,
+                        "eps": eps,
+                        "lr": lr,
+                        "seed": 0,
+                        "clip": c,
+                    }
                     for m in ms
+                    for c in _clips(data, eps)
                 ]
                 _run_all(more, base, data, out, args.runs_dir, args.workers)
             evals = [
@@ -726,10 +787,12 @@ def main(argv: list[str] | None = None) -> int:
                     "phase": "eval",
                     "method": m,
                     "eps": eps,
-                    "lr": _best_lr(data, m, eps),
+                    "lr": best["lr"],
+                    "clip": _clip(best),
                     "seed": s,
                 }
                 for m in ms
+                if (best := _best(data, m, eps)) is not None
                 for s in data["seeds"]
             ]
             _run_all(evals, base, data, out, args.runs_dir, args.workers)
@@ -756,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         for eps in [float(e) for e in args.lever_epsilons.split(",")]:
             for lever in chosen:
                 for m in LEVER_METHODS.get(lever, tuple(x for x in methods if x != "nonprivate")):
-                    lr = _best_lr(data, m, eps)
+                    lr = _best_lr(data, m, eps, 1.0)
                     if lr is None:
                         p.error(
                             f"--study levers: run the main study first (no tuned lr for {m} "

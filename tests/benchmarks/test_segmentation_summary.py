@@ -102,12 +102,38 @@ def test_gap_fraction_is_the_share_of_the_nonprivate_minus_dpsgd_gap(seg):
 def test_summary_and_plot(seg, tmp_path):
     data = _data()
     text = seg.summarize(data)
-    assert "| dp-kfc | 8 | 0.03 | 0.710 +- 0.014 |" in text
+    assert "| dp-kfc | 8 | 0.03 | x1 | 0.710 +- 0.014 |" in text
     assert f"| {100 * (0.71 - 0.32) / (0.85 - 0.32):.0f} % |" in text
     assert "| weight average (decay 0.9) | - | 0.720 |" in text
     assert "| shipped | 0.400 | 0.700 |" in text
     seg.plot(data, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_clip_norm_is_tuned_with_the_learning_rate_for_every_method(seg):
+    data = _data()
+    data["clip_scales"] = [0.25, 1.0]
+    data["config_contents"] = {"privacy": {"max_grad_norm": 0.5}}
+    tune = _run("tune", "dp-sgd", 8.0, 0.03, 0, val=0.45)
+    data["runs"].append({**tune, "clip": 0.25})  # beats (0.01, x1) at 0.40
+    assert (
+        seg._best(data, "dp-sgd", 8.0)["lr"] == 0.03
+        and seg._clip(seg._best(data, "dp-sgd", 8.0)) == 0.25
+    )
+    assert seg._best_lr(data, "dp-sgd", 8.0, clip=1.0) == 0.01  # the lever study's choice
+    assert seg._eval_runs(data, "dp-sgd", 8.0) == []  # no evaluation at (0.03, x0.25) yet
+    evals = [{**_run("eval", "dp-sgd", 8.0, 0.03, s, test=0.5), "clip": 0.25} for s in (1, 2)]
+    data["runs"] += evals
+    assert seg._eval_runs(data, "dp-sgd", 8.0) == evals  # not the x1 runs at lr 0.03
+    key = {"lever": "shipped", "method": "dp-sgd", "lr": 0.03, "seed": 1, "eps": 8.0, "clip": 0.25}
+    cfg = seg._config_for({"privacy": {"max_grad_norm": 0.5}, "training": {}}, key)
+    assert cfg["privacy"]["max_grad_norm"] == 0.125
+    assert seg._run_name(key) != seg._run_name({**key, "clip": 1.0})
+    assert seg._same(key, {**key, "clip": 0.25}) and not seg._same(key, {**key, "clip": 1.0})
+    assert seg._same({**key, "clip": 1.0}, {k: v for k, v in key.items() if k != "clip"})
+    text = seg.summarize(data)
+    assert "| dp-sgd | 8 | 0.03 | 0.125 | 0.500 +- 0.000 |" in text
+    assert "| dp-sgd | 8 | 0.03 | 0.125 | 0.450 |" in text  # the tuning table names the clip norm
 
 
 def test_lever_configs_change_one_thing(seg):
