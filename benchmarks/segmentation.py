@@ -85,6 +85,8 @@ LEVERS: dict[str, dict[str, Any]] = {
     },
     "batch 32 (more, noisier steps)": {"training": {"batch_size": 32}},
     "80 epochs (twice the steps, more noise per step)": {"training": {"epochs": 80}},
+    "20 epochs (half the steps, less noise per step)": {"training": {"epochs": 20}},
+    "data-free pretraining 1000 steps instead of 200": {"pretrain": {"steps": 1000}},
     "weight average (decay 0.9)": {"training": {"ema_decay": 0.9}},
     "cosine learning rate": {"training": {"lr_schedule": "cosine"}},
     "clip norm x0.25": {"privacy": {"max_grad_norm": "x0.25"}},
