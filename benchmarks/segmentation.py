@@ -289,7 +289,12 @@ def _step(lr: float, *, up: bool) -> float:
 
 def _clips(data: dict[str, Any], eps: float | None) -> list[float]:
     """The clip-norm scales tuned at ``eps`` (``--clip-scales``; none without a clip norm)."""
-    return [1.0] if eps is None else sorted(data.get("clip_scales") or [1.0])
+    if eps is None:
+        return [1.0]
+    scales = data.get("clip_scales") or [1.0]
+    if isinstance(scales, dict):  # per epsilon, where the grid was completed at some only
+        scales = scales.get(_eps_key(eps)) or [1.0]
+    return sorted(scales)
 
 
 def _clips_for(
@@ -471,6 +476,8 @@ def summarize(data: dict[str, Any]) -> str:
             f"{f'{max(spent):.3f}' if spent else '-'} | "
             f"{np.mean([r['seconds'] for r in runs]) / 60:.1f} | {len(runs)} |"
         )
+    if data.get("notes"):  # what the study did not run, in words (kept with the results)
+        lines += ["", "Notes on this study:", ""] + [f"- {n}" for n in data["notes"]]
     lines += _evidence_lines(data)
     lines += [
         "",

@@ -134,6 +134,8 @@ def test_clip_norm_is_tuned_with_the_learning_rate_for_every_method(seg):
     text = seg.summarize(data)
     assert "| dp-sgd | 8 | 0.03 | 0.125 | 0.500 +- 0.000 |" in text
     assert "| dp-sgd | 8 | 0.03 | 0.125 | 0.450 |" in text  # the tuning table names the clip norm
+    data["notes"] = ["dp-kfc ran the x1 clip norm only"]
+    assert "- dp-kfc ran the x1 clip norm only" in seg.summarize(data)
 
 
 def test_lever_configs_change_one_thing(seg):
