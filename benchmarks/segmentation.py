@@ -288,25 +288,10 @@ def _step(lr: float, *, up: bool) -> float:
 
 
 def _clips(data: dict[str, Any], eps: float | None) -> list[float]:
-    """The clip-norm scales tuned at ``eps`` (``--clip-scales``; none without a clip norm)."""
+    """The clip-norm scales tuned at ``eps``: ``--clip-scales`` of the study run there."""
     if eps is None:
         return [1.0]
-    scales = data.get("clip_scales") or [1.0]
-    if isinstance(scales, dict):  # per epsilon, where the grid was completed at some only
-        scales = scales.get(_eps_key(eps)) or [1.0]
-    return sorted(scales)
-
-
-def _clips_for(
-    data: dict[str, Any], eps: float | None, method: str, only: str | None
-) -> list[float]:
-    """The clip scales ``method`` runs: all of ``_clips`` unless ``--clip-methods`` leaves it out."""
-    if only is None or method in only.split(","):
-        return _clips(data, eps)
-    data.setdefault("clip_grid_skipped", {}).setdefault(_eps_key(eps), [])
-    if method not in data["clip_grid_skipped"][_eps_key(eps)]:
-        data["clip_grid_skipped"][_eps_key(eps)].append(method)
-    return [1.0]
+    return sorted((data.get("clip_scales") or {}).get(_eps_key(eps)) or [1.0])
 
 
 def _best(
@@ -724,12 +709,6 @@ def main(argv: list[str] | None = None) -> int:
         help="clip norms tuned with every learning rate, as multiples of the config's "
         "privacy.max_grad_norm (every private method gets the same grid)",
     )
-    p.add_argument(
-        "--clip-methods",
-        help="comma list: only these methods run the clip-norm grid (the others run the config's "
-        "clip norm); for methods that clip every unit under Adam, whose update does not "
-        "depend on C",
-    )
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument(
         "--widen",
@@ -774,7 +753,6 @@ def main(argv: list[str] | None = None) -> int:
                 "config_contents": base,
                 "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
                 "lrs": [float(x) for x in args.lrs.split(",")],
-                "clip_scales": [float(x) for x in args.clip_scales.split(",")],
                 "seeds": [int(s) for s in args.seeds.split(",")],
                 # a study of some methods at some epsilons keeps the other epsilons' rows
                 "epsilons": sorted({*(data.get("epsilons") or []), *epsilons}, reverse=True),
@@ -787,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
         common = {"study": "main", "lever": "shipped"}
         # One epsilon at a time (non-private first), so a partial study holds whole rows.
         for eps in [None, *epsilons]:
+            if eps is not None:  # per epsilon: a later study at other epsilons keeps these
+                scales = [float(x) for x in args.clip_scales.split(",")]
+                data.setdefault("clip_scales", {})[_eps_key(eps)] = scales
             ms = ["nonprivate"] if eps is None else [m for m in methods if m != "nonprivate"]
             if eps is None and "nonprivate" not in methods:
                 continue
@@ -794,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                 {**common, "phase": "tune", "method": m, "eps": eps, "lr": lr, "seed": 0, "clip": c}
                 for m in ms
                 for lr in _grid(data, eps)
-                for c in _clips_for(data, eps, m, args.clip_methods)
+                for c in _clips(data, eps)
             ]
             _run_all(tune, base, data, out, args.runs_dir, args.workers)
             for _ in range(args.widen):  # a best on the grid's edge: one more point for all
@@ -813,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                         "clip": c,
                     }
                     for m in ms
-                    for c in _clips_for(data, eps, m, args.clip_methods)
+                    for c in _clips(data, eps)
                 ]
                 _run_all(more, base, data, out, args.runs_dir, args.workers)
             evals = [

@@ -112,7 +112,7 @@ def test_summary_and_plot(seg, tmp_path):
 
 def test_clip_norm_is_tuned_with_the_learning_rate_for_every_method(seg):
     data = _data()
-    data["clip_scales"] = [0.25, 1.0]
+    data["clip_scales"] = {"8": [0.25, 1.0]}
     data["config_contents"] = {"privacy": {"max_grad_norm": 0.5}}
     tune = _run("tune", "dp-sgd", 8.0, 0.03, 0, val=0.45)
     data["runs"].append({**tune, "clip": 0.25})  # beats (0.01, x1) at 0.40
