@@ -101,13 +101,16 @@ LEVERS: dict[str, dict[str, Any]] = {
     "preconditioner family: diagonal (probe gradient second moment)": {
         "preconditioner": {"family": "diagonal"}
     },
-    # the per-layer evidence: DP-KFC's whitening leaves the first convolution a tiny share of
-    # the clipped norm; two ways to give it back
+    # the per-layer evidence: DP-KFC's whitening leaves the first convolution (and the PReLU
+    # slopes, fallback s I) a tiny share of the clipped norm; three ways to give it back
     "per-layer scale rule (each layer's median transformed norm equal on probes)": {
         "preconditioner": {"scaling": "per_layer"}
     },
     "weaker input whitening (damping_a 0.1 instead of 0.001)": {
         "preconditioner": {"damping_a": 0.1}
+    },
+    "per-layer scale rule keeping each layer's unpreconditioned norm on probes": {
+        "preconditioner": {"scaling": "per_layer_raw"}
     },
 }
 LEVER_METHODS = {
@@ -117,6 +120,7 @@ LEVER_METHODS = {
     "preconditioner family: diagonal (probe gradient second moment)": ("dp-kfc",),
     "per-layer scale rule (each layer's median transformed norm equal on probes)": ("dp-kfc",),
     "weaker input whitening (damping_a 0.1 instead of 0.001)": ("dp-kfc",),
+    "per-layer scale rule keeping each layer's unpreconditioned norm on probes": ("dp-kfc",),
 }
 
 

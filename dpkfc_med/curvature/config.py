@@ -27,6 +27,7 @@ class ScaleRule(str, Enum):
 
     GLOBAL = "global"
     PER_LAYER = "per_layer"
+    PER_LAYER_RAW = "per_layer_raw"
     NONE = "none"
 
 
@@ -62,7 +63,8 @@ class PreconditionerConfig:
         damping_g: relative damping of ``G``; the key hyperparameter (1e-3 collapses a
             binary task to its majority class, 0.1 does not).
         reduction: ``"expand"`` or ``"reduce"`` for weight-shared positions.
-        scaling: ``"global"``, ``"per_layer"`` or ``"none"``.
+        scaling: ``"global"``, ``"per_layer"``, ``"per_layer_raw"`` or ``"none"`` (see
+            :mod:`dpkfc_med.curvature.preconditioner`).
         fallback: ``"identity"`` or ``"diagonal"``.
         fallback_damping: relative damping of the diagonal fallback.
         num_probes: probes per refresh.

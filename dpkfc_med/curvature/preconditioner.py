@@ -25,6 +25,12 @@ samples we compute raw per-sample gradient norms ``||g_i||`` and transformed nor
 * ``per_layer``: each layer (fallback parameters grouped by their module) gets ``s_l`` so its
   median transformed norm equals ``median_i ||g_i|| / sqrt(L)``: all ``L`` layers share the
   clipped norm equally on probes (prevents one ill-conditioned layer from taking all of it).
+* ``per_layer_raw``: each layer gets ``s_l = median_i ||g_{i,l}|| / median_i ||U g_{i,l}||``, so
+  on probes every layer keeps the share of the clipped norm it has without preconditioning
+  (DP-SGD's split between layers) and the preconditioner only reshapes the gradient inside each
+  layer. Whitening can move most of the norm into a few deep layers, leaving the others (and
+  fallback parameters, whose transform is ``s I``) with almost none of it and so a tiny
+  signal-to-noise ratio; this rule keeps the between-layer split.
 * ``none``: ``s = 1``.
 
 All of it depends only on probes and on the current (already released) parameters.
@@ -341,6 +347,7 @@ class KroneckerPreconditioner:
         x, y = inputs[:n], targets[:n]
         raw_sq = torch.zeros(n, dtype=torch.float64)
         unit_sq: dict[str, Tensor] = {}  # transformed (scale 1) squared norms per unit
+        unit_raw_sq: dict[str, Tensor] = {}  # raw squared norms per unit
         covered = {b.name: b.module for b in self.blocks.values()}
         owners = {
             fb.module_name: fb.owner for fb in self.fallbacks.values() if fb.owner is not None
@@ -357,7 +364,9 @@ class KroneckerPreconditioner:
                 saved, block.scale = block.scale, 1.0
                 trans = block.transform_grads(raw)
                 block.scale = saved
-                raw_sq += raw.pow(2).flatten(1).sum(1).double().cpu()
+                rsq = raw.pow(2).flatten(1).sum(1).double().cpu()
+                raw_sq += rsq
+                unit_raw_sq[name] = unit_raw_sq.get(name, 0) + rsq
                 sq = trans.pow(2).flatten(1).sum(1).double().cpu()
                 unit_sq[name] = unit_sq.get(name, 0) + sq
         if self.fallbacks:
@@ -387,8 +396,10 @@ class KroneckerPreconditioner:
                     fb.diag = inverse_sqrt(
                         second.flatten().unsqueeze(0), cfg.fallback_damping
                     ).reshape(fb.param.shape)
-                raw_sq += gs.pow(2).flatten(1).sum(1).double().cpu()
+                rsq = gs.pow(2).flatten(1).sum(1).double().cpu()
+                raw_sq += rsq
                 key = f"{fb.module_name} (fallback)"
+                unit_raw_sq[key] = unit_raw_sq.get(key, 0) + rsq
                 saved, fb.scale = fb.scale, 1.0
                 unit_sq[key] = (
                     unit_sq.get(key, 0) + fb.transform(gs).pow(2).flatten(1).sum(1).double().cpu()
@@ -404,8 +415,11 @@ class KroneckerPreconditioner:
         elif cfg.scaling is ScaleRule.GLOBAL:
             scales = {k: global_s for k in unit_sq}
         else:
-            target = raw_med / math.sqrt(max(len(unit_sq), 1))
             for k, sq in unit_sq.items():
+                if cfg.scaling is ScaleRule.PER_LAYER_RAW:
+                    target = float(torch.as_tensor(unit_raw_sq[k]).sqrt().median())
+                else:
+                    target = raw_med / math.sqrt(max(len(unit_sq), 1))
                 med = float(sq.sqrt().median())
                 scales[k] = target / med if med > 0 and target > 0 else global_s
         for name, block in self.blocks.items():

@@ -138,7 +138,7 @@ def _probe_batch(n=64):
 
 
 @pytest.mark.parametrize("factors", ["a", "ag"])
-@pytest.mark.parametrize("scaling", ["global", "per_layer", "none"])
+@pytest.mark.parametrize("scaling", ["global", "per_layer", "per_layer_raw", "none"])
 def test_scale_rules(scaling, factors, float64):
     torch.manual_seed(0)
     net = tiny_cnn_2d()
@@ -150,7 +150,7 @@ def test_scale_rules(scaling, factors, float64):
     # Recompute per-sample transformed norms on the calibration probes by brute force.
     params = [p for p in net.parameters()]
     raw, trans = [], []
-    per_layer = {}
+    per_layer, per_layer_raw = {}, {}
     for i in range(16):
         grads = torch.autograd.grad(per_sample_ce(net(x[i : i + 1]), y[i : i + 1]).sum(), params)
         gd = {p: g.unsqueeze(0) for p, g in zip(params, grads)}
@@ -160,6 +160,7 @@ def test_scale_rules(scaling, factors, float64):
         names = pre.param_layer_names()
         for p in params:
             per_layer.setdefault(names[id(p)], [0.0] * 16)[i] += float(tg[p].pow(2).sum())
+            per_layer_raw.setdefault(names[id(p)], [0.0] * 16)[i] += float(gd[p].pow(2).sum())
     raw, trans = torch.stack(raw), torch.stack(trans)
     if scaling == "global":
         torch.testing.assert_close(trans.median(), raw.median())
@@ -167,6 +168,13 @@ def test_scale_rules(scaling, factors, float64):
         target = raw.median() / len(per_layer) ** 0.5
         for name, sq in per_layer.items():
             torch.testing.assert_close(torch.tensor(sq).sqrt().median(), target, msg=name)
+    elif scaling == "per_layer_raw":  # every layer keeps its unpreconditioned median norm
+        for name, sq in per_layer.items():
+            torch.testing.assert_close(
+                torch.tensor(sq).sqrt().median(),
+                torch.tensor(per_layer_raw[name]).sqrt().median(),
+                msg=name,
+            )
     else:
         assert all(b.scale == 1.0 for b in pre.blocks.values())
     assert {r["layer"] for r in pre.coverage()} == {"0", "2", "6", "3.weight", "3.bias"}
