@@ -336,6 +336,7 @@ def estimate_factors(
             _accumulate(acc, cap.name, cap.a, cap.delta, reduction, max_factor_dim, dtype)
             del cap  # before the next layer's patches are formed
     out: dict[str, KroneckerFactors] = {}
-    for name, (a_sum, g_sum) in acc.items():
-        out[name] = KroneckerFactors(a_sum / m_total, g_sum / m_total, m_total)
+    for name in list(acc):  # in place and popped: never two copies of every factor at once
+        a_sum, g_sum = acc.pop(name)
+        out[name] = KroneckerFactors(a_sum.div_(m_total), g_sum.div_(m_total), m_total)
     return out

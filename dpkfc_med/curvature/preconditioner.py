@@ -145,6 +145,11 @@ def _fallback_blocks(model: nn.Module, covered: dict[str, nn.Module]) -> dict[st
     return out
 
 
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    """The model's floating dtype (float32 when it has no floating parameters)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _spectrum_stats(evals: Tensor) -> dict[str, float]:
     ev = evals.flatten().clamp_min(0)
     total = float(ev.sum())
@@ -250,7 +255,10 @@ class KroneckerPreconditioner:
                 reduction=cfg.reduction,
                 chunk_size=cfg.chunk_size,
                 max_factor_dim=cfg.max_factor_dim,
-                dtype=torch.float64,
+                # summed over chunks in the decompositions' dtype: float64 sums of a large
+                # network's factors double the refresh's peak memory for no gain, since the
+                # decompositions (eig_dtype) only see them in that dtype anyway
+                dtype=torch.promote_types(eig_dtype, _param_dtype(model)),
                 need_g=cfg.factors is FactorMode.AG,
                 max_positions=cfg.max_positions,
                 position_seed=position_seed,
@@ -264,7 +272,7 @@ class KroneckerPreconditioner:
             a_low: LowRankA | None = None
             u_elem: Tensor | None = None
             if name in stats:
-                st = stats[name]
+                st = stats.pop(name)
                 ref_p: Tensor = module.weight  # type: ignore[assignment]
                 dt = torch.promote_types(eig_dtype, ref_p.dtype)
                 if st.second_moment is not None:  # diagonal family
@@ -296,7 +304,9 @@ class KroneckerPreconditioner:
                     u_g = u_g.to(ref_p.dtype)
                     spectra[name] = {"L": _spectrum_stats(ev_g), "R": _spectrum_stats(ev_a)}
             elif name in factors:
-                f = factors[name]
+                # popped once inverted (unless kept): the factors of a large network
+                # would otherwise all stay alive through the decompositions and calibration
+                f = factors[name] if keep_factors else factors.pop(name)
                 ref: Tensor = module.weight  # type: ignore[assignment]
                 # a float64 model gets float64 decompositions whatever eig_dtype says
                 dt = torch.promote_types(eig_dtype, ref.dtype)
