@@ -73,9 +73,9 @@ class PreconditionerConfig:
         max_factor_dim: factors larger than this are diagonal (memory rule).
         eig_dtype: ``"float32"`` (default) or ``"float64"`` for the eigendecompositions
             (factors are summed over probe chunks in this dtype; a float64 model always gets
-            float64 sums and decompositions). float32 is 2-3x faster on CPU; on the small CNN's probe
-            factors (damping 1e-3) transformed per-sample norms differ from float64's by
-            < 0.1 % (``tests/curvature/test_preconditioner.py``).
+            float64 sums and decompositions). float32 is 2-3x faster on CPU; on the small
+            CNN's probe factors (damping 1e-3) transformed per-sample norms differ from
+            float64's by < 0.1 % (``tests/curvature/test_preconditioner.py``).
         max_positions: ``A`` of a convolution with more output positions per probe than this
             averages over this many positions drawn at random (without replacement, seeded by
             the refresh) instead of all of them: the same expectation, and the patch tensor
