@@ -224,7 +224,13 @@ CASES: dict[str, Case] = {
             "4 heads, MLP 192), 1 channel, 2 classes",
             epoch_samples=4708,
             epoch_data=_PNEUMONIA,
-            full=Setting((28, 28), 256, {"fallback": "diagonal"}),
+            full=Setting(
+                (28, 28),
+                256,
+                {"fallback": "diagonal"},
+                "the shipped ViT config's fallback (diagonal from probes for LayerNorm "
+                "affines, class token and position embedding)",
+            ),
             quick=Setting((28, 28), 16, _QUICK_KFC | {"num_probes": 8}, _QUICK_WHY),
         ),
         Case(
@@ -238,7 +244,14 @@ CASES: dict[str, Case] = {
             "4 heads, MLP 192, feature size 8), hippocampus crop 32x48x32, 3 output channels",
             epoch_samples=220,
             epoch_data="MSD Task04 Hippocampus volumes available here (220)",
-            full=Setting((32, 48, 32), 16, {"max_factor_dim": 8192, "fallback": "diagonal"}),
+            full=Setting(
+                (32, 48, 32),
+                16,
+                {"max_factor_dim": 8192, "fallback": "diagonal"},
+                "the shipped UNETR config's fallback (diagonal from probes for LayerNorm "
+                "affines and position embedding); max_factor_dim 8192 gives the "
+                "patch-embedding convolution (A 4097 wide with its bias) a full A factor",
+            ),
             quick=Setting((32, 32, 32), 1, _QUICK_KFC | {"num_probes": 4}, _QUICK_WHY),
             cpu_full_kfc={"num_probes": 8},
             cpu_full_why="CPU full mode: the refresh is built from 8 probes and the default "
@@ -1275,8 +1288,7 @@ def _model_markdown(mr: dict[str, Any]) -> list[str]:
         lines += [
             "dp-kfc config differs from the default: "
             + ", ".join(f"`{k}={v}`" for k, v in mr["kfc_overrides"].items())
-            + " -- "
-            + "; ".join(mr.get("kfc_notes", []))
+            + "".join(f" -- {note}" for note in ["; ".join(mr.get("kfc_notes", []))] if note)
             + ".",
             "",
         ]
