@@ -112,6 +112,11 @@ LEVERS: dict[str, dict[str, Any]] = {
     "per-layer scale rule keeping each layer's unpreconditioned norm on probes": {
         "preconditioner": {"scaling": "per_layer_raw"}
     },
+    # that rule leaves most units unclipped at the config's C, as DP-SGD at x1: with x0.25
+    "the same per-layer scale rule with clip norm x0.25": {
+        "preconditioner": {"scaling": "per_layer_raw"},
+        "privacy": {"max_grad_norm": "x0.25"},
+    },
 }
 LEVER_METHODS = {
     "K-FAC A only (no G factor)": ("dp-kfc",),
@@ -121,6 +126,7 @@ LEVER_METHODS = {
     "per-layer scale rule (each layer's median transformed norm equal on probes)": ("dp-kfc",),
     "weaker input whitening (damping_a 0.1 instead of 0.001)": ("dp-kfc",),
     "per-layer scale rule keeping each layer's unpreconditioned norm on probes": ("dp-kfc",),
+    "the same per-layer scale rule with clip norm x0.25": ("dp-kfc",),
 }
 
 
