@@ -1285,10 +1285,11 @@ def _model_markdown(mr: dict[str, Any]) -> list[str]:
         "",
     ]
     if mr.get("kfc_overrides"):
+        why = "; ".join(mr.get("kfc_notes", []))
         lines += [
             "dp-kfc config differs from the default: "
             + ", ".join(f"`{k}={v}`" for k, v in mr["kfc_overrides"].items())
-            + "".join(f" -- {note}" for note in ["; ".join(mr.get("kfc_notes", []))] if note)
+            + (f" -- {why}" if why else "")
             + ".",
             "",
         ]

@@ -47,7 +47,7 @@ DESCRIPTIONS = {
     "cost_cpu_densenet121_rank_a64": "DenseNet121 alone with the low-rank A factor (`rank_a: 64`).",
     "cost_cpu_transformers": "MONAI ViT (PneumoniaMNIST size) and UNETR (hippocampus crop) against Opacus, one CPU thread.",
     "cost_cpu_clipping": "Clipping modes (`privacy.clipping`: auto, ghost, per_sample) against Opacus' hook and ghost modes, on the three cost models.",
-    "cost_cpu_clipping_densenet_vit": "The clipping modes on the DenseNet121 (after the refresh's memory fix) and the MONAI ViT, one CPU thread.",
+    "cost_cpu_clipping_densenet_vit": "The clipping modes on the DenseNet121 and the MONAI ViT, one CPU thread (supersedes the DenseNet121 rows of cost_cpu_clipping).",
     "cost_cpu_family_shampoo": "DP-KFC with the Shampoo family (`preconditioner.family: shampoo`) against Opacus' two modes, on the three cost models.",
     "cost_cpu_family_diagonal": "DP-KFC with the diagonal family (`preconditioner.family: diagonal`) against Opacus' two modes, on the three cost models.",
     "cost_cpu_quick": "The quick mode (small batches and inputs) used as a smoke test.",
