@@ -117,7 +117,15 @@ LEVERS: dict[str, dict[str, Any]] = {
         "preconditioner": {"scaling": "per_layer_raw"},
         "privacy": {"max_grad_norm": "x0.25"},
     },
+    # pretraining 1000 steps combined with each method's clip norm from the main study's grid
+    # (DP-SGD's x0.25; DP-KFC clips every unit, so its update under Adam does not depend on C)
+    "data-free pretraining 1000 steps at each method's tuned clip norm": {
+        "pretrain": {"steps": 1000}
+    },
 }
+# Levers run at each method's (learning rate, clip norm) chosen in the main study; the others
+# at its learning rate chosen at the config's clip norm.
+TUNED_CLIP_LEVERS = ("data-free pretraining 1000 steps at each method's tuned clip norm",)
 LEVER_METHODS = {
     "K-FAC A only (no G factor)": ("dp-kfc",),
     "probe targets: smooth blobs on a background": ("dp-kfc",),
@@ -127,6 +135,7 @@ LEVER_METHODS = {
     "weaker input whitening (damping_a 0.1 instead of 0.001)": ("dp-kfc",),
     "per-layer scale rule keeping each layer's unpreconditioned norm on probes": ("dp-kfc",),
     "the same per-layer scale rule with clip norm x0.25": ("dp-kfc",),
+    "data-free pretraining 1000 steps at each method's tuned clip norm": ("dp-sgd",),
 }
 
 
@@ -490,7 +499,7 @@ def summarize(data: dict[str, Any]) -> str:
             )
     all_levers = [r for r in data["runs"] if r.get("study") == "levers"]
     for eps in sorted({r["eps"] for r in all_levers}, reverse=True):
-        lever_runs = [r for r in all_levers if r["eps"] == eps]
+        lever_runs = [r for r in all_levers if r["eps"] == eps and r["phase"] == "tune"]
         lines += [
             "",
             f"Lever study (epsilon {eps:g}, seed 0, validation mean Dice; one change from the "
@@ -520,6 +529,7 @@ def summarize(data: dict[str, Any]) -> str:
             if any(c != "-" for c in cells):
                 lines.append(f"| {lever} | " + " | ".join(cells) + f" | {' / '.join(clipped)} |")
         lines += _lever_snr_lines(shipped, lever_runs, eps)
+    lines += _lever_eval_lines(data)
     if data.get("shipped"):
         lines += [
             "",
@@ -548,6 +558,45 @@ def summarize(data: dict[str, Any]) -> str:
         "(later commits add studies and options; the code of the runs already made is unchanged).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _lever_eval_lines(data: dict[str, Any]) -> list[str]:
+    """Levers evaluated on the evaluation seeds: test Dice and the gap closed, per epsilon."""
+    runs = [r for r in data["runs"] if r.get("study") == "levers" and r["phase"] == "eval"]
+    if not runs:
+        return []
+    nonprivate = _eval_runs(data, "nonprivate", None)
+    top = _mean_std([r["test"]["mean_dice"] for r in nonprivate])[0] if nonprivate else None
+    lines = [
+        "",
+        "Levers evaluated on the evaluation seeds (test cases of each seed's split; the lever "
+        "at the learning rate and clip norm of its seed-0 run; gap closed against the main "
+        "study's DP-SGD and non-private rows at that epsilon):",
+        "",
+        "| epsilon | lever | method | lr | clip norm | test mean Dice | gap closed | seeds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base_clip = (data.get("config_contents") or {}).get("privacy", {}).get("max_grad_norm")
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["eps"], r["lever"], r["method"], r["lr"], _clip(r)), []).append(r)
+    for (eps, lever, method, lr, _), rs in sorted(
+        groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][2])
+    ):
+        dice = [r["test"]["mean_dice"] for r in rs]
+        m, sd = _mean_std(dice)
+        sgd = _eval_runs(data, "dp-sgd", eps)
+        floor = _mean_std([r["test"]["mean_dice"] for r in sgd])[0] if sgd else None
+        gap = (
+            f"{100 * (m - floor) / (top - floor):.0f} %"
+            if top is not None and floor is not None and top > floor
+            else "-"
+        )
+        lines.append(
+            f"| {eps:g} | {lever} | {method} | {lr:g} | {_clip_cell(base_clip, rs[0])} | "
+            f"{m:.3f} +- {sd:.3f} | {gap} | {','.join(str(r['seed']) for r in rs)} |"
+        )
+    return lines
 
 
 def _lever_snr_lines(
@@ -738,6 +787,11 @@ def main(argv: list[str] | None = None) -> int:
         help="lever study: the epsilons it runs at (each method at its learning rate chosen "
         "there in the main study)",
     )
+    p.add_argument(
+        "--lever-seeds",
+        help="lever study: evaluate the chosen levers on these seeds (test cases of each seed's "
+        "split) instead of tuning them on seed 0; restrict with --levers and --methods",
+    )
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one thread each)")
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
     p.add_argument(
@@ -845,23 +899,30 @@ def main(argv: list[str] | None = None) -> int:
         for eps in [float(e) for e in args.lever_epsilons.split(",")]:
             for lever in chosen:
                 for m in LEVER_METHODS.get(lever, tuple(x for x in methods if x != "nonprivate")):
-                    lr = _best_lr(data, m, eps, 1.0)
-                    if lr is None:
+                    if m not in methods:
+                        continue
+                    tuned = lever in TUNED_CLIP_LEVERS
+                    best = _best(data, m, eps, None if tuned else 1.0)
+                    if best is None:
                         p.error(
                             f"--study levers: run the main study first (no tuned lr for {m} "
                             f"at {eps:g})"
                         )
-                    jobs.append(
-                        {
-                            "study": "levers",
-                            "lever": lever,
-                            "phase": "tune",
-                            "method": m,
-                            "eps": eps,
-                            "lr": lr,
-                            "seed": 0,
-                        }
-                    )
+                    key = {
+                        "study": "levers",
+                        "lever": lever,
+                        "method": m,
+                        "eps": eps,
+                        "lr": best["lr"],
+                        **({"clip": _clip(best)} if tuned and _clip(best) != 1.0 else {}),
+                    }
+                    if args.lever_seeds:  # evaluation of the lever on the evaluation seeds
+                        jobs += [
+                            {**key, "phase": "eval", "seed": int(s)}
+                            for s in args.lever_seeds.split(",")
+                        ]
+                    else:
+                        jobs.append({**key, "phase": "tune", "seed": 0})
         _run_all(jobs, base, data, out, args.runs_dir, args.workers)
     out.with_suffix(".md").write_text(summarize(data))
     plot(data, out.with_suffix(".png"))
