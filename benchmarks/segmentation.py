@@ -727,11 +727,13 @@ def _run_all(
     out: Path,
     runs_dir: Path,
     workers: int,
+    threads: int | None = None,
 ) -> None:
     todo = [k for k in jobs if not any(_same(k, r) for r in data["runs"])]
     if not todo:
         return
-    args = [(_config_for(base, k), k, str(runs_dir), 1 if workers > 1 else 2) for k in todo]
+    threads = threads or (1 if workers > 1 else 2)
+    args = [(_config_for(base, k), k, str(runs_dir), threads) for k in todo]
     ctx = mp.get_context("spawn")
     with ctx.Pool(processes=min(workers, len(args)), maxtasksperchild=1) as pool:
         for rec in pool.imap_unordered(_job, args):
@@ -793,6 +795,11 @@ def main(argv: list[str] | None = None) -> int:
         "split) instead of tuning them on seed 0; restrict with --levers and --methods",
     )
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one thread each)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads per run (default: 1 with several workers, else 2)",
+    )
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
     p.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/segmentation_hippocampus.json"
@@ -841,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                 for lr in _grid(data, eps)
                 for c in _clips(data, eps)
             ]
-            _run_all(tune, base, data, out, args.runs_dir, args.workers)
+            _run_all(tune, base, data, out, args.runs_dir, args.workers, args.threads)
             for _ in range(args.widen):  # a best on the grid's edge: one more point for all
                 lr = _widen(data, eps, ms)
                 if lr is None:
@@ -860,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
                     for m in ms
                     for c in _clips(data, eps)
                 ]
-                _run_all(more, base, data, out, args.runs_dir, args.workers)
+                _run_all(more, base, data, out, args.runs_dir, args.workers, args.threads)
             evals = [
                 {
                     **common,
@@ -875,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (best := _best(data, m, eps)) is not None
                 for s in data["seeds"]
             ]
-            _run_all(evals, base, data, out, args.runs_dir, args.workers)
+            _run_all(evals, base, data, out, args.runs_dir, args.workers, args.threads)
             out.with_suffix(".md").write_text(summarize(data))
     elif args.study == "shipped":
         data.setdefault("shipped", {})
@@ -923,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
                         ]
                     else:
                         jobs.append({**key, "phase": "tune", "seed": 0})
-        _run_all(jobs, base, data, out, args.runs_dir, args.workers)
+        _run_all(jobs, base, data, out, args.runs_dir, args.workers, args.threads)
     out.with_suffix(".md").write_text(summarize(data))
     plot(data, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
