@@ -127,13 +127,15 @@ def _ghost_sampler(
     kept: dict[nn.Module, Tensor],
     store: dict[nn.Module, GhostRows],
 ) -> dict[nn.Parameter, Tensor]:
-    """Keep ``module``'s transformed rows for ghost clipping; no per-sample gradients."""
+    """Keep ``module``'s input and output error for ghost clipping; no per-sample gradients."""
     assert adapter.rows is not None and adapter.error_rows is not None
-    rows, err = adapter.rows(module, x), adapter.error_rows(module, backprops)
     m = raw_norm_samples(x.shape[0])
-    kept[module] = raw_norms_sq(block, rows[:m], err[:m]) if x.shape[0] else x.new_zeros(0)
-    d, a_t = block.transformed_rows(rows, err)
-    entry = GhostRows(module, d, a_t, n_w=rows.shape[-1])
+    kept[module] = (
+        raw_norms_sq(block, adapter.rows(module, x[:m]), adapter.error_rows(module, backprops[:m]))
+        if x.shape[0]
+        else x.new_zeros(0)
+    )
+    entry = GhostRows(module, block, [(x, backprops)])
     weight = module.weight
     # Opacus counts the uses of a layer left in this backward pass; the last use closes it
     uses_left = int(getattr(weight, "_forward_counter", 1))

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.privacy.engine import PrivacyEngine
-from dpkfc_med.privacy.ghost import GhostRows, ghost_path_wins
+from dpkfc_med.privacy.ghost import ghost_path_wins, row_norms_sq
 from tests.conftest import GaussianProbes, per_sample_ce, summed_clipped
 
 
@@ -25,6 +25,19 @@ class _Tokens(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.flatten(2).transpose(1, 2)  # [B, 16, 4]: 16 positions of 4 channels
         return self.out(torch.tanh(self.proj(tokens)).mean(1))
+
+
+class _Shared(nn.Module):
+    """One Linear layer applied twice in the forward pass (its positions join one sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)  # [B, 16, 4]
+        return self.out(self.proj(torch.tanh(self.proj(tokens))).mean(1))
 
 
 def _conv1d() -> nn.Module:
@@ -64,6 +77,7 @@ def _convtranspose() -> nn.Module:
 # (network, input shape of one sample)
 LAYOUTS = {
     "linear-tokens": (_Tokens, (4, 4, 4)),
+    "linear-shared": (_Shared, (4, 4, 4)),
     "conv1d": (_conv1d, (4, 16)),
     "conv2d-grouped": (_conv2d, (4, 4, 4)),
     "conv3d": (_conv3d, (4, 4, 4, 4)),
@@ -77,14 +91,19 @@ METHODS = {
     "dp-kfc-ag": ("dp-kfc", PreconditionerConfig(factors="ag", **_FEW)),
     "dp-kfc-shampoo": ("dp-kfc", PreconditionerConfig(family="shampoo", **_FEW)),
     "dp-kfc-lowrank": ("dp-kfc", PreconditionerConfig(rank_a=2, **_FEW)),
+    "dp-kfc-kron": ("dp-kfc", PreconditionerConfig(conv_a="kron", **_FEW)),
 }
 # every layout under DP-SGD and the default DP-KFC; the other transforms on the two layouts
 # that exercise every row form (tokens; grouped conv with a norm layer beside it)
-CASES = [(lay, m) for lay in sorted(LAYOUTS) for m in ("dp-sgd", "dp-kfc")] + [
-    (lay, m)
-    for lay in ("linear-tokens", "conv2d-grouped")
-    for m in ("dp-kfc-ag", "dp-kfc-shampoo", "dp-kfc-lowrank")
-]
+CASES = (
+    [(lay, m) for lay in sorted(LAYOUTS) for m in ("dp-sgd", "dp-kfc")]
+    + [
+        (lay, m)
+        for lay in ("linear-tokens", "conv2d-grouped")
+        for m in ("dp-kfc-ag", "dp-kfc-shampoo", "dp-kfc-lowrank")
+    ]
+    + [(lay, "dp-kfc-kron") for lay in ("conv1d", "conv3d")]
+)
 
 
 def _private(net, shape, method, pre, clipping, n=24):
@@ -116,6 +135,19 @@ def _clipped(pm, popt, x, y, units=None):
 @pytest.mark.parametrize(("layout", "method"), CASES)
 def test_ghost_clipped_sum_equals_per_sample(layout, method, float64):
     """Every mode gives the per-sample path's clipped sum, per sample and per unit of 3."""
+    _check_modes_agree(layout, method)
+
+
+@pytest.mark.parametrize("layout", ["conv2d-grouped", "linear-shared"])
+def test_ghost_clipped_sum_in_chunks_of_one_sample(layout, monkeypatch, float64):
+    """The raw clipped sum formed one sample at a time equals the per-sample path's."""
+    import dpkfc_med.privacy.ghost as ghost
+
+    monkeypatch.setattr(ghost, "SUM_CHUNK_ELEMENTS", 1)
+    _check_modes_agree(layout, "dp-kfc-ag")
+
+
+def _check_modes_agree(layout: str, method: str) -> None:
     build, shape = LAYOUTS[layout]
     kind, pre = METHODS[method]
     torch.manual_seed(2)
@@ -146,21 +178,15 @@ def test_ghost_unit_norms_against_explicit_gradients(float64):
     b, groups, t, n_g, n_w = 7, 2, 5, 3, 4
     d = torch.randn(b, groups, t, n_g, generator=g)
     a = torch.randn(b, groups, t, n_w + 1, generator=g)
-    rows = GhostRows(nn.Linear(1, 1), d, a, n_w=n_w)
     per_sample = torch.einsum("bgto,bgti->bgoi", d, a)  # brute force
     units = torch.tensor([0, 2, 2, 1, 0, 2, 3])
     unit_grads = torch.zeros(4, groups, n_g, n_w + 1).index_add_(0, units, per_sample)
-    w_sq, b_sq = rows.norms_sq(units)
+    w_sq, b_sq = row_norms_sq(d, a, n_w, units)
     torch.testing.assert_close(w_sq, unit_grads[..., :n_w].pow(2).sum((1, 2, 3)))
     torch.testing.assert_close(b_sq, unit_grads[..., n_w].pow(2).sum((1, 2)))
-    w1, b1 = rows.norms_sq()
+    w1, b1 = row_norms_sq(d, a, n_w)
     torch.testing.assert_close(w1, per_sample[..., :n_w].pow(2).sum((1, 2, 3)))
     torch.testing.assert_close(b1, per_sample[..., n_w].pow(2).sum((1, 2)))
-    coef = torch.rand(b, generator=g)
-    w_sum, b_sum = rows.clipped_sum(coef)
-    explicit = torch.einsum("b,bgoi->goi", coef, per_sample)
-    torch.testing.assert_close(w_sum, explicit[..., :n_w])
-    torch.testing.assert_close(b_sum, explicit[..., n_w])
 
 
 @pytest.mark.parametrize("clipping", ["ghost", "auto"])
@@ -203,11 +229,10 @@ def test_ghost_norms_in_bounded_chunks_of_pairs_and_positions(monkeypatch, float
     g = torch.Generator().manual_seed(3)
     d = torch.randn(6, 2, 7, 3, generator=g)
     a = torch.randn(6, 2, 7, 5, generator=g)
-    rows = GhostRows(nn.Linear(1, 1), d, a, n_w=4)
     units = torch.tensor([0, 1, 1, 2, 0, 1])
-    whole = (rows.norms_sq(), rows.norms_sq(units))
+    whole = (row_norms_sq(d, a, 4), row_norms_sq(d, a, 4, units))
     monkeypatch.setattr(ghost, "PAIR_CHUNK_ELEMENTS", 2 * 2 * 2 * 2)  # groups 2, blocks 2 x 2
-    chunked = (rows.norms_sq(), rows.norms_sq(units))
+    chunked = (row_norms_sq(d, a, 4), row_norms_sq(d, a, 4, units))
     for (w0, b0), (w1, b1) in zip(whole, chunked):
         torch.testing.assert_close(w1, w0)
         torch.testing.assert_close(b1, b0)
