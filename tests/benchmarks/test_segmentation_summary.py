@@ -210,3 +210,20 @@ def test_preconditioner_families_run_the_same_protocol(seg):
     table = "\n".join(seg.compact_table(data))
     assert "| dp-kfc-shampoo | 0.650" in table
     assert "dp-kfc-diagonal" not in table  # no runs: no row
+
+
+def test_levers_evaluated_on_seeds_get_their_own_table_with_the_gap(seg):
+    data = _data()
+    lever = "data-free pretraining 1000 steps instead of 200"
+    data["runs"] += [
+        _run("eval", "dp-sgd", 8.0, 0.01, s, test=t, study="levers", lever=lever)
+        for s, t in ((1, 0.50), (2, 0.60))
+    ]
+    text = seg.summarize(data)
+    top, floor = 0.85, 0.32  # the main study's non-private and DP-SGD test means
+    gap = f"{100 * (0.55 - floor) / (top - floor):.0f} %"
+    assert f"| 8 | {lever} | dp-sgd | 0.01 | x1 | 0.550 +- 0.071 | {gap} | 1,2 |" in text
+    # the evaluation runs stay out of the seed-0 lever table and the main study's rows
+    assert f"| {lever} | - | - |" not in text
+    assert seg._eval_runs(data, "dp-sgd", 8.0)[0]["study"] == "main"
+    assert seg.gap_fractions(data)[8.0]["dp-sgd"] == pytest.approx(0.0)
