@@ -331,7 +331,9 @@ def shape_label_maps(
     threshold = torch.stack([torch.quantile(b, 1.0 - f) for b, f in zip(blob, frac)])
     inside = (fields[:, 0] > threshold.view(-1, *([1] * len(shape)))).long()
     if num_classes > 2:
-        return inside * (1 + fields[:, 1:].argmax(dim=1))
+        # argmax over a trailing contiguous axis: the same indices, about 10x faster on the CPU
+        # than over the strided channel axis (it dominated data-free pretraining's draws)
+        return inside * (1 + fields[:, 1:].movedim(1, -1).contiguous().argmax(dim=-1))
     return inside
 
 

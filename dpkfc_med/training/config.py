@@ -249,12 +249,18 @@ class PretrainConfig:
         batch_size: synthetic volumes per step.
         lr: Adam learning rate of pretraining.
         seed: seed of the synthetic volumes.
+        cache_dir: folder where pretrained weights are kept and reused, keyed by a hash of
+            everything that determines them (initial weights, network, these settings, the
+            synthetic data's shape, spacing and classes, loss, device type, versions); null =
+            no cache. Runs that differ only in method, epsilon, learning rate or private data
+            then pretrain once. The folder holds no private data.
     """
 
     steps: int = 0
     batch_size: int = 8
     lr: float = 0.003
     seed: int = 0
+    cache_dir: str | None = None
 
 
 @dataclass

@@ -741,6 +741,8 @@ def _pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device
         spacing=task.spacing or (1.0,) * len(task.spatial_shape),
         alpha=alpha,
         device=device,
+        cache_dir=p.cache_dir,
+        loss_id=f"{type(task).__module__}.{type(task).__qualname__}.loss",
     )
 
 

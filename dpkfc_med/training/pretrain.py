@@ -7,14 +7,26 @@ texture, standardised like the private volumes' preprocessing. It is generated o
 a seed and the config (patch size, voxel spacing, class count, the modality preset's exponent)
 only, so pretraining reads no private data, costs no privacy, and the run's guarantee is
 unchanged; the report records it as provenance of the initial weights.
+
+Pretrained weights can be kept in a cache folder (``pretrain.cache_dir``) keyed by a hash of
+everything that determines them (the initial weights and the network's structure, the
+pretraining settings, the synthetic data's shape, spacing, classes and exponent, the loss, the
+device type and the torch and package versions). A later run with the same key (another
+method, epsilon or learning rate on the same seed) loads them instead of pretraining again;
+the weights are bitwise those it would have computed. The cache holds no private data.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import json
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +34,9 @@ from torch import Tensor, nn
 
 from dpkfc_med.probes.noise import pink_noise
 from dpkfc_med.probes.sources import shape_label_maps
+from dpkfc_med.utils import atomic_write_bytes
 
-__all__ = ["PretrainSpec", "pretrain_synthetic", "synthetic_shapes"]
+__all__ = ["PretrainSpec", "pretrain_cache_key", "pretrain_synthetic", "synthetic_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +128,70 @@ class PretrainSpec:
         }
 
 
+def pretrain_cache_key(
+    model: nn.Module,
+    spec: PretrainSpec,
+    *,
+    loss_id: str,
+    spatial_shape: Sequence[int],
+    num_classes: int,
+    spacing: Sequence[float],
+    alpha: float,
+    device: torch.device,
+) -> str:
+    """Hex SHA-256 of everything that determines the weights :func:`pretrain_synthetic` returns.
+
+    Args:
+        model: the network before pretraining (its structure and every state tensor count).
+        spec: the pretraining settings.
+        loss_id: a name that identifies the training loss's code and settings.
+        spatial_shape: synthetic volume shape ``(D, H, W)``.
+        num_classes: ``K`` including the background.
+        spacing: voxel spacing per axis (mm).
+        alpha: texture exponent.
+        device: where pretraining runs (CPU and GPU kernels round differently).
+    """
+    import dpkfc_med
+
+    h = hashlib.sha256()
+    meta = {
+        "format": 1,
+        "spec": asdict(spec),
+        "loss": loss_id,
+        "spatial_shape": [int(s) for s in spatial_shape],
+        "num_classes": int(num_classes),
+        "spacing": [float(s) for s in spacing],
+        "alpha": float(alpha),
+        "device": torch.device(device).type,
+        "torch": torch.__version__,
+        "dpkfc_med": dpkfc_med.__version__,
+        "model": repr(model),
+    }
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (POSIX), so parallel runs pretrain a key once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks: parallel runs may both pretrain (still correct)
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def pretrain_synthetic(
     model: nn.Module,
     spec: PretrainSpec,
@@ -125,12 +202,70 @@ def pretrain_synthetic(
     spacing: Sequence[float],
     alpha: float,
     device: torch.device,
+    cache_dir: str | Path | None = None,
+    loss_id: str | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` in place on :func:`synthetic_shapes` batches; returns the provenance.
 
     Deterministic for a given ``spec`` and initial model (the data come from seeded CPU
     generators). The model is left in training mode.
+
+    Args:
+        model: the network, trained in place.
+        spec: the pretraining settings.
+        loss: batch-mean training loss ``loss(logits [N, K, *S], labels [N, *S])``.
+        spatial_shape: synthetic volume shape.
+        num_classes: ``K`` including the background.
+        spacing: voxel spacing per axis (mm).
+        alpha: texture exponent (the modality preset's).
+        device: device of the model.
+        cache_dir: folder of cached pretrained weights (None: no cache). A hit loads the
+            weights of :func:`pretrain_cache_key` instead of training; a miss trains and
+            stores them.
+        loss_id: identifies ``loss`` in the cache key (required with ``cache_dir``).
     """
+    if cache_dir is None:
+        return _pretrain(model, spec, loss, spatial_shape, num_classes, spacing, alpha, device)
+    if not loss_id:
+        raise ValueError("pretrain_synthetic: cache_dir needs a loss_id naming the loss")
+    key = pretrain_cache_key(
+        model,
+        spec,
+        loss_id=loss_id,
+        spatial_shape=spatial_shape,
+        num_classes=num_classes,
+        spacing=spacing,
+        alpha=alpha,
+        device=device,
+    )
+    folder = Path(cache_dir)
+    path = folder / f"{key}.pt"
+    with _locked(folder / f"{key}.lock"):
+        if path.is_file():
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(saved["state_dict"])
+            model.train()
+            log.info("data-free pretraining: weights loaded from the cache (%s)", path)
+            return {**saved["record"], "cache": {"key": key, "reused": True}}
+        record = _pretrain(model, spec, loss, spatial_shape, num_classes, spacing, alpha, device)
+        buf = io.BytesIO()
+        state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+        torch.save({"state_dict": state, "record": record}, buf)
+        atomic_write_bytes(path, buf.getvalue())
+    return {**record, "cache": {"key": key, "reused": False}}
+
+
+def _pretrain(
+    model: nn.Module,
+    spec: PretrainSpec,
+    loss: Callable[[Tensor, Tensor], Tensor],
+    spatial_shape: Sequence[int],
+    num_classes: int,
+    spacing: Sequence[float],
+    alpha: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The pretraining steps themselves (see :func:`pretrain_synthetic`)."""
     t0 = time.perf_counter()
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     model.train()

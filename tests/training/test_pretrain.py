@@ -130,3 +130,47 @@ def test_shipped_hippocampus_configs_are_one_recipe_at_three_epsilons():
         loaded[eps] = raw
         assert cfg.data.patch_size and cfg.data.spacing and cfg.data.num_classes == 3
     assert loaded[1] == loaded[3] == loaded[8]
+
+
+def _pretrained(cfg, task):
+    from dpkfc_med.training.loop import _pretrain, _seed_everything, build_run_model
+
+    _seed_everything(cfg.training.seed)
+    model, _ = build_run_model(cfg, task)
+    record = _pretrain(cfg, task, model, torch.device("cpu"))
+    return record, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_pretrain_cache_reuses_bitwise_the_weights_it_would_compute(tmp_path):
+    """A cache hit loads exactly the weights of a fresh pretraining; any change of key misses."""
+    assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
+    from dpkfc_med.training.tasks import build_task
+
+    cache = tmp_path / "cache"
+    cfg = load_config(CONFIG, TINY + ["data.max_train=4"])
+    task = build_task(cfg)
+    fresh_record, fresh = _pretrained(cfg, task)
+    assert "cache" not in fresh_record
+
+    cached = load_config(CONFIG, TINY + ["data.max_train=4", f"pretrain.cache_dir={cache}"])
+    first, w1 = _pretrained(cached, task)
+    assert first["cache"]["reused"] is False and len(list(cache.glob("*.pt"))) == 1
+    # another method and epsilon on the same seed: the same key, loaded from the cache
+    other = load_config(
+        CONFIG,
+        TINY + ["data.max_train=4", f"pretrain.cache_dir={cache}", "privacy.target_epsilon=1.0"],
+    )
+    other.method = "dp-sgd"
+    second, w2 = _pretrained(other, task)
+    assert second["cache"] == {"key": first["cache"]["key"], "reused": True}
+    assert second["steps"] == 3 and "no private" in second["data"]
+    for name in fresh:
+        assert torch.equal(fresh[name], w1[name]) and torch.equal(w1[name], w2[name]), name
+    # another initial model (training seed) or another pretraining setting: another key
+    for change in ("training.seed=1", "pretrain.lr=0.01"):
+        cfg3 = load_config(
+            CONFIG, TINY + ["data.max_train=4", f"pretrain.cache_dir={cache}", change]
+        )
+        third, _ = _pretrained(cfg3, task)
+        assert third["cache"]["reused"] is False, change
+    assert len(list(cache.glob("*.pt"))) == 3
