@@ -132,6 +132,14 @@ LEVERS: dict[str, dict[str, Any]] = {
         "pretrain": {"steps": 1000},
         "probes": {"target": "model"},
     },
+    # probes closer to real volumes than pink noise: the pretraining's own synthetic shapes
+    "probe images: shape volumes (the pretraining's synthetic volumes) with their label maps": {
+        "probes": {"kind": "shapes"}
+    },
+    "data-free pretraining 1000 steps with shape-volume probes": {
+        "pretrain": {"steps": 1000},
+        "probes": {"kind": "shapes"},
+    },
 }
 # Levers run at each method's (learning rate, clip norm) chosen in the main study; the others
 # at its learning rate chosen at the config's clip norm.
@@ -152,6 +160,10 @@ LEVER_METHODS = {
     "data-free pretraining 1000 steps with probe targets sampled from the model (true Fisher)": (
         "dp-kfc",
     ),
+    "probe images: shape volumes (the pretraining's synthetic volumes) with their label maps": (
+        "dp-kfc",
+    ),
+    "data-free pretraining 1000 steps with shape-volume probes": ("dp-kfc",),
 }
 
 

@@ -1,4 +1,4 @@
-"""Synthetic probe inputs and targets (pink/white noise images, Zipf token sequences): no private data, no privacy cost."""  # noqa: E501
+"""Synthetic probe inputs and targets (pink/white noise images, shape volumes, Zipf token sequences): no private data, no privacy cost."""  # noqa: E501
 
 from dpkfc_med.probes.noise import (
     SPECTRUM_CONVENTION,
@@ -21,6 +21,7 @@ from dpkfc_med.probes.sources import (
     check_probe_batch,
     probe_source_problems,
     sample_model_targets,
+    shape_volumes,
 )
 from dpkfc_med.probes.tokens import SPECIAL_TOKEN_KEYS, TokenProbeSource, zipf_tokens
 
@@ -43,6 +44,7 @@ __all__ = [
     "fit_spectral_slope",
     "get_preset",
     "match_intensity",
+    "shape_volumes",
     "pink_noise",
     "radial_power_spectrum",
     "sample_model_targets",

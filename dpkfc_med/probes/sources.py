@@ -40,8 +40,9 @@ __all__ = [
     "TargetRule",
     "Task",
     "check_probe_batch",
-    "shape_label_maps",
     "sample_model_targets",
+    "shape_label_maps",
+    "shape_volumes",
 ]
 
 LABEL_FIELD_ALPHA = 4.0
@@ -118,10 +119,20 @@ def probe_source_problems(
 
 
 class NoiseKind(str, Enum):
-    """Spectrum of image probes: power-law (``"pink"``) or flat (``"white"``)."""
+    """What image probes look like.
+
+    Attributes:
+        PINK: power-law noise (power proportional to f^(-alpha)).
+        WHITE: flat-spectrum noise.
+        SHAPES: synthetic shape volumes (:func:`shape_volumes`): smooth blobs whose classes
+            sit at random contrast steps from the background, plus power-law texture; the
+            volumes data-free pretraining trains on. Segmentation targets are then the label
+            maps the volumes were drawn from.
+    """
 
     PINK = "pink"
     WHITE = "white"
+    SHAPES = "shapes"
 
 
 class Task(str, Enum):
@@ -337,6 +348,71 @@ def shape_label_maps(
     return inside
 
 
+TEXTURE_AMPLITUDE = 0.5
+"""Standard deviation of the shape volumes' texture relative to the class contrast step."""
+
+
+def shape_volumes(
+    shape: Sequence[int],
+    *,
+    num: int,
+    channels: int = 1,
+    num_classes: int,
+    spacing: Sequence[float],
+    alpha: float,
+    generator: torch.Generator,
+    foreground: tuple[float, float] = (0.03, 0.25),
+) -> tuple[Tensor, Tensor]:
+    """Synthetic segmentation volumes: smooth shapes of distinct intensity on textured background.
+
+    Each label map is :func:`shape_label_maps`; in every channel, class ``c`` sits ``c``
+    random contrast steps (step in [0.5, 1.5), random sign, drawn per volume and channel) from
+    the background, plus power-law texture of exponent ``alpha`` and relative amplitude
+    :data:`TEXTURE_AMPLITUDE`; each volume and channel is then standardised. The classes are
+    told apart by their ordering, not by one fixed intensity. Drawn from ``generator`` only:
+    labels, then per channel the step, the sign and the texture.
+
+    Args:
+        shape: spatial shape ``(D, H, W)`` (any number of spatial axes).
+        num: volumes to draw.
+        channels: image channels (one label map, independent contrasts and textures).
+        num_classes: ``K`` including the background (class 0).
+        spacing: voxel spacing per axis (the fields' smoothness is isotropic in mm).
+        alpha: exponent of the texture's power spectrum.
+        generator: the CPU generator that draws everything.
+        foreground: range of the foreground fraction of a volume.
+
+    Returns:
+        ``(images [num, C, *S] float64, labels [num, *S] int64)``.
+    """
+    shape = tuple(int(s) for s in shape)
+    spacing = tuple(float(s) for s in spacing)
+    labels = shape_label_maps(
+        shape,
+        num=num,
+        num_classes=num_classes,
+        spacing=spacing,
+        generator=generator,
+        foreground=foreground,
+    )
+    dims = tuple(range(1, len(shape) + 1))
+    images = []
+    for _ in range(channels):
+        step = 0.5 + torch.rand(num, 1, generator=generator, dtype=torch.float32)
+        sign = torch.where(torch.rand(num, 1, generator=generator) < 0.5, -1.0, 1.0).double()
+        means = sign * step * torch.arange(num_classes, dtype=torch.float32)
+        image = torch.gather(means, 1, labels.flatten(1)).view(num, *shape)
+        texture = pink_noise(
+            shape, batch=num, alpha=alpha, spacing=spacing, generator=generator, dtype=torch.float32
+        )[:, 0]
+        image = image + TEXTURE_AMPLITUDE * texture
+        image = (image - image.mean(dims, keepdim=True)) / image.std(dims, keepdim=True).clamp_min(
+            1e-6
+        )
+        images.append(image)
+    return torch.stack(images, dim=1), labels
+
+
 class ImageProbeSource:
     """Pink- or white-noise images / volumes with uniform or model-sampled targets.
 
@@ -351,9 +427,11 @@ class ImageProbeSource:
         num_classes: Number of classes K (>= 2; include the background for segmentation).
         task: ``"classification"`` (targets ``[M]``) or ``"segmentation"``
             (targets ``[M, *spatial]``).
-        kind: ``"pink"`` (power law) or ``"white"``.
-        alpha: Power-spectrum exponent (power proportional to f^(-alpha)); default: the
-            preset's. Only for ``kind="pink"``.
+        kind: ``"pink"`` (power law), ``"white"`` or ``"shapes"`` (:func:`shape_volumes`,
+            segmentation only; targets are the volumes' own label maps unless
+            ``target="model"``).
+        alpha: Power-spectrum exponent (power proportional to f^(-alpha)) of the noise or of
+            the shapes' texture; default: the preset's. Not for ``kind="white"``.
         preset: Modality preset name or :class:`~dpkfc_med.probes.presets.ModalityPreset`
             supplying the default exponent and intensity mapping.
         spacing: Voxel spacing in mm per spatial axis (default 1.0).
@@ -400,6 +478,11 @@ class ImageProbeSource:
             raise ValueError(
                 "target='shapes' draws label maps and applies to task='segmentation'; use "
                 "'uniform' or 'model' for classification"
+            )
+        if self.kind is NoiseKind.SHAPES and self.task is not Task.SEGMENTATION:
+            raise ValueError(
+                "kind='shapes' draws segmentation volumes with their label maps and applies to "
+                "task='segmentation'; use kind='pink' or 'white' for classification"
             )
 
         if self.kind is NoiseKind.WHITE:
@@ -476,7 +559,19 @@ class ImageProbeSource:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype={dtype} must be a floating dtype for image probes")
         generator = torch.Generator().manual_seed(seed)
-        if self.kind is NoiseKind.PINK and self.alpha is not None:
+        drawn_labels = None
+        if self.kind is NoiseKind.SHAPES:
+            assert self.alpha is not None
+            noise, drawn_labels = shape_volumes(
+                self.spatial_shape,
+                num=num,
+                channels=self.channels,
+                num_classes=self.num_classes,
+                spacing=self.spacing,
+                alpha=self.alpha,
+                generator=generator,
+            )
+        elif self.kind is NoiseKind.PINK and self.alpha is not None:
             noise = pink_noise(
                 self.spatial_shape,
                 batch=num,
@@ -506,6 +601,8 @@ class ImageProbeSource:
             )
         elif self.task is Task.CLASSIFICATION:
             targets = torch.randint(self.num_classes, (num,), generator=generator)
+        elif drawn_labels is not None:  # shape volumes: the label maps they were drawn from
+            targets = drawn_labels
         elif self.target is TargetRule.SHAPES:
             targets = shape_label_maps(
                 self.spatial_shape,
@@ -540,6 +637,8 @@ class ImageProbeSource:
             )
         elif self.task is Task.CLASSIFICATION:
             target_rule = "uniform random class ids"
+        elif self.kind is NoiseKind.SHAPES:
+            target_rule = "the label maps the shape volumes were drawn from"
         elif self.target is TargetRule.SHAPES:
             target_rule = (
                 "smooth foreground blobs (3-25 % of voxels) on a background, split between the "

@@ -26,6 +26,7 @@ import yaml
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
+from dpkfc_med.probes.sources import NoiseKind, TargetRule
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -229,6 +230,7 @@ class ProbeConfig:
     """
 
     preset: str = "natural"
+    kind: str = "pink"
     alpha: float | None = None
     num_probes: int = 256
     refresh_every: int | str = "auto"
@@ -320,7 +322,9 @@ _CHOICES: dict[str, list[str]] = {
     "training.precision": ["float32", "bf16"],
     "privacy.accountant": ["prv", "rdp"],
     "privacy.clipping": ["auto", "ghost", "per_sample"],
-    "probes.target": ["uniform", "model", "shapes"],
+    # white probes are the method dp-kfc-white (one way to ask for them)
+    "probes.kind": [k.value for k in NoiseKind if k is not NoiseKind.WHITE],
+    "probes.target": [t.value for t in TargetRule],
     "model.norm": ["group", "instance"],
 }
 _POSITIVE = {
@@ -438,6 +442,11 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
         )
     if isinstance(cfg.pretrain.steps, int) and cfg.pretrain.steps < 0:
         problems.append(f"pretrain.steps={cfg.pretrain.steps}: must be >= 0 (0 = off)")
+    if cfg.probes.kind == "shapes" and cfg.data.task != "segmentation":
+        problems.append(
+            "probes.kind='shapes': shape volumes come with label maps and apply to segmentation; "
+            "use 'pink' for classification"
+        )
     if cfg.pretrain.steps and cfg.data.task != "segmentation":
         problems.append(
             f"pretrain.steps={cfg.pretrain.steps}: data-free pretraining on synthetic shapes is "

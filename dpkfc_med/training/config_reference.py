@@ -93,9 +93,15 @@ _FIELD_DOCS = {
         "modality preset supplying the pink-noise exponent and intensity mapping "
         "(`dpkfc_med/probes/presets.py`)."
     ),
+    "probes.kind": (
+        "what the probe images are: `pink` (power-law noise) or `shapes` (segmentation: "
+        "synthetic volumes of smooth shapes at random contrasts with pink texture, the "
+        "volumes data-free pretraining trains on, with the label maps they were drawn from "
+        "as targets unless `target: model`). White-noise probes are the method `dp-kfc-white`."
+    ),
     "probes.alpha": (
-        "power-spectrum exponent of the pink probes (power proportional to f^(-alpha)); "
-        "`null` = the preset's."
+        "power-spectrum exponent of the pink probes or of the shapes' texture (power "
+        "proportional to f^(-alpha)); `null` = the preset's."
     ),
     "probes.num_probes": "probes per preconditioner refresh.",
     "probes.refresh_every": (

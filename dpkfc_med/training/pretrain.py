@@ -32,16 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpkfc_med.probes.noise import pink_noise
-from dpkfc_med.probes.sources import shape_label_maps
+from dpkfc_med.probes.sources import shape_volumes
 from dpkfc_med.utils import atomic_write_bytes
 
 __all__ = ["PretrainSpec", "pretrain_cache_key", "pretrain_synthetic", "synthetic_shapes"]
 
 log = logging.getLogger(__name__)
-
-TEXTURE_AMPLITUDE = 0.5
-"""Standard deviation of the texture relative to the spread of the class intensities."""
 
 
 def synthetic_shapes(
@@ -54,44 +50,24 @@ def synthetic_shapes(
     generator: torch.Generator,
     foreground: tuple[float, float] = (0.03, 0.25),
 ) -> tuple[Tensor, Tensor]:
-    """``num`` synthetic image/label pairs for segmentation pretraining.
+    """``num`` single-channel synthetic image/label pairs for segmentation pretraining.
 
-    Args:
-        spatial_shape: ``(D, H, W)`` (or any number of spatial axes).
-        num: volumes to draw.
-        num_classes: ``K`` including the background (class 0).
-        spacing: voxel spacing per axis (the fields' smoothness is isotropic in mm).
-        alpha: exponent of the image texture's power spectrum (the modality preset's).
-        generator: the CPU generator that draws everything.
-        foreground: range of the foreground fraction of a volume (drawn uniformly per volume).
+    The volumes of :func:`~dpkfc_med.probes.sources.shape_volumes` (one channel) in float32.
 
     Returns:
         ``(images [num, 1, *S] float32, labels [num, *S] int64)``; every volume holds every
         foreground class only by chance, background always.
     """
-    shape = tuple(int(s) for s in spatial_shape)
-    spacing = tuple(float(s) for s in spacing)
-    labels = shape_label_maps(
-        shape,
+    images, labels = shape_volumes(
+        spatial_shape,
         num=num,
         num_classes=num_classes,
         spacing=spacing,
+        alpha=alpha,
         generator=generator,
         foreground=foreground,
     )
-    # Class c sits c contrast steps from the background: a random step size and sign per
-    # volume, so the classes are told apart by their ordering, not by one fixed intensity.
-    step = 0.5 + torch.rand(num, 1, generator=generator, dtype=torch.float32)
-    sign = torch.where(torch.rand(num, 1, generator=generator) < 0.5, -1.0, 1.0).double()
-    means = sign * step * torch.arange(num_classes, dtype=torch.float32)
-    image = torch.gather(means, 1, labels.flatten(1)).view(num, *shape)
-    texture = pink_noise(
-        shape, batch=num, alpha=alpha, spacing=spacing, generator=generator, dtype=torch.float32
-    )[:, 0]
-    image = image + TEXTURE_AMPLITUDE * texture
-    dims = tuple(range(1, image.dim()))
-    image = (image - image.mean(dims, keepdim=True)) / image.std(dims, keepdim=True).clamp_min(1e-6)
-    return image.unsqueeze(1).float(), labels
+    return images.float(), labels
 
 
 @dataclass(frozen=True)

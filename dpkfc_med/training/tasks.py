@@ -133,7 +133,7 @@ class Task:
             channels=self.in_channels,
             num_classes=self.num_classes,
             task=self.kind,
-            kind="white" if method is Method.DP_KFC_WHITE else "pink",
+            kind="white" if method is Method.DP_KFC_WHITE else cfg.probes.kind,
             alpha=None if method is Method.DP_KFC_WHITE else cfg.probes.alpha,
             preset=cfg.probes.preset,
             spacing=self.spacing,

@@ -198,7 +198,10 @@ def test_alpha_from_preset_and_override() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"kind": "pnik"}, r"kind='pnik' is not one of \['pink', 'white'\]; did you mean 'pink'\?"),
+        (
+            {"kind": "pnik"},
+            r"kind='pnik' is not one of \['pink', 'white', 'shapes'\]; did you mean 'pink'\?",
+        ),
         ({"task": "segmentaton"}, "did you mean 'segmentation'"),
         (
             {"target": "modle"},
@@ -274,3 +277,73 @@ def test_describe_is_json_and_complete() -> None:
     assert record["intensity"]["mode"] == "zscore"
     assert record["target"] == "uniform" and "argmax" in record["target_rule"]
     assert record["task"] == "segmentation" and record["uses_private_data"] is False
+
+
+def test_shape_probes_are_volumes_with_their_own_label_maps() -> None:
+    """kind='shapes': each channel orders the classes by contrast; targets are the drawn maps."""
+    from dpkfc_med.probes import shape_volumes
+
+    src = ImageProbeSource(
+        (10, 14, 12),
+        channels=2,
+        num_classes=3,
+        task="segmentation",
+        kind="shapes",
+        preset="mri",
+        spacing=(1.0, 1.0, 2.0),
+    )
+    batch = src.sample(4, seed=7, dtype=torch.float64)
+    again = src.sample(4, seed=7, dtype=torch.float64)
+    assert torch.equal(batch.inputs, again.inputs) and torch.equal(batch.targets, again.targets)
+    assert batch.inputs.shape == (4, 2, 10, 14, 12) and batch.targets.shape == (4, 10, 14, 12)
+    # the targets are exactly the label maps the volumes were drawn from (same generator)
+    images, labels = shape_volumes(
+        (10, 14, 12),
+        num=4,
+        channels=2,
+        num_classes=3,
+        spacing=(1.0, 1.0, 2.0),
+        alpha=src.alpha,
+        generator=torch.Generator().manual_seed(7),
+    )
+    assert torch.equal(batch.targets, labels)
+    torch.testing.assert_close(batch.inputs, images, rtol=0, atol=1e-12)  # z-score preset
+    flat = batch.inputs.flatten(2)
+    torch.testing.assert_close(
+        flat.mean(2), torch.zeros(4, 2, dtype=torch.float64), atol=1e-9, rtol=0
+    )
+    for i in range(4):
+        for c in range(2):  # class means monotone in the class id, per channel
+            means = [
+                float(batch.inputs[i, c][batch.targets[i] == k].mean())
+                for k in range(3)
+                if (batch.targets[i] == k).sum() > 10
+            ]
+            diffs = torch.tensor(means).diff()
+            assert torch.all(diffs > 0) or torch.all(diffs < 0), (i, c, means)
+    assert "label maps the shape volumes" in src.describe()["target_rule"]
+    assert src.describe()["kind"] == "shapes"
+    # model-sampled targets still apply
+    model = _ConstantSegmenter([0.0, 9.0, 0.0], spatial_dims=3).double()
+    fisher = ImageProbeSource(
+        (10, 14, 12),
+        channels=1,
+        num_classes=3,
+        task="segmentation",
+        kind="shapes",
+        target="model",
+    )
+    sampled = fisher.sample(3, seed=1, model=model, dtype=torch.float64).targets
+    assert (sampled == 1).double().mean() > 0.95
+    with pytest.raises(ValueError, match="kind='shapes'.*segmentation"):
+        ImageProbeSource((8, 8), channels=1, num_classes=2, kind="shapes")
+
+
+def test_pretraining_volumes_are_the_single_channel_shape_volumes() -> None:
+    from dpkfc_med.probes import shape_volumes
+    from dpkfc_med.training.pretrain import synthetic_shapes
+
+    kw = dict(num=3, num_classes=3, spacing=(1.0, 1.0, 1.0), alpha=2.0)
+    x, y = synthetic_shapes((8, 10, 6), generator=torch.Generator().manual_seed(3), **kw)
+    images, labels = shape_volumes((8, 10, 6), generator=torch.Generator().manual_seed(3), **kw)
+    assert x.dtype == torch.float32 and torch.equal(x, images.float()) and torch.equal(y, labels)
