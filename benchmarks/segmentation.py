@@ -5,6 +5,7 @@ Run the whole study (MSD Task04 hippocampus, epsilon 8, 3 and 1, seeds 1-3)::
     python benchmarks/segmentation.py                     # study "main"
     python benchmarks/segmentation.py --study levers      # the recipe's levers at epsilon 8
     python benchmarks/segmentation.py --study levers --lever-epsilons 3   # ... at epsilon 3
+    python benchmarks/segmentation.py --study best        # each method's best recipe, on seeds
     python benchmarks/segmentation.py --study shipped     # the shipped configs, as shipped
     python benchmarks/segmentation.py --epsilons 8 \
         --methods dp-sgd,dp-kfc,dp-kfc-shampoo,dp-kfc-diagonal   # the preconditioner families
@@ -27,6 +28,9 @@ the same for every method. The gap fraction of a method at an epsilon is
 Lever study: at epsilon 8 (or ``--lever-epsilons``), seed 0, each method at its learning rate
 chosen in the main study at that epsilon and the config's clip norm,
 the config as shipped and with one lever changed at a time; scored by validation Dice.
+Best-recipe study: per epsilon and private method, the highest seed-0 validation Dice among
+the main study's chosen point and every lever run of that method at that epsilon is evaluated
+on the evaluation seeds (the same rule for every method).
 Shipped study: each ``configs/hippocampus_unet_3d_eps{8,3,1}.yaml`` trained exactly as shipped
 with the CLI's settings (noise from OS entropy, two torch threads, seed 0's split), timed, then
 evaluated with ``dpkfc-med evaluate RUN --data FOLDER`` on a folder holding only the run's
@@ -409,6 +413,108 @@ def _evaluated(data: dict[str, Any]) -> list[str]:
     return [m for m in PRIVATE if any(_eval_runs(data, m, e) for e in eps_list)]
 
 
+def _best_recipe(data: dict[str, Any], method: str, eps: float) -> dict[str, Any] | None:
+    """The method's best seed-0 run at ``eps``: its main-study point or any of its lever runs.
+
+    One rule for every method: the highest validation Dice (to the reported 3 decimals) among
+    the main study's chosen (learning rate, clip norm) and every lever run of the method at
+    that epsilon (each lever at that method's own chosen learning rate); ties go to the main
+    study (the fewer changes), then to the earlier lever.
+    """
+    main = _best(data, method, eps)
+    levers = [
+        r
+        for r in data["runs"]
+        if r.get("study") == "levers"
+        and r["phase"] == "tune"
+        and r["method"] == method
+        and r["eps"] == eps
+    ]
+    cands = ([main] if main is not None else []) + levers
+    if not cands:
+        return None
+    return max(cands, key=lambda r: (round(r["val"]["mean_dice"], 3), r is main))
+
+
+def _recipe_evals(data: dict[str, Any], best: dict[str, Any]) -> list[dict[str, Any]]:
+    """Evaluation runs (seeds of the study) of the recipe ``best`` stands for."""
+    if best.get("study", "main") == "main":
+        return _eval_runs(data, best["method"], best["eps"])
+    seeds = set(data.get("seeds") or [])
+    return [
+        r
+        for r in data["runs"]
+        if r.get("study") == "levers"
+        and r["phase"] == "eval"
+        and r["lever"] == best["lever"]
+        and r["method"] == best["method"]
+        and r["eps"] == best["eps"]
+        and r["lr"] == best["lr"]
+        and _clip(r) == _clip(best)
+        and (not seeds or r["seed"] in seeds)
+    ]
+
+
+def best_recipe_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per epsilon and private method: the best recipe, its test Dice and the gap it closes.
+
+    The gap is measured between the best-recipe DP-SGD row and non-private training.
+    """
+    nonprivate = _eval_runs(data, "nonprivate", None)
+    top = _mean_std([r["test"]["mean_dice"] for r in nonprivate])[0] if nonprivate else None
+    rows = []
+    for eps in data.get("epsilons") or []:
+        per: dict[str, dict[str, Any]] = {}
+        for method in METHODS[1:]:
+            best = _best_recipe(data, method, eps)
+            if best is None:
+                continue
+            runs = _recipe_evals(data, best)
+            dice = _mean_std([r["test"]["mean_dice"] for r in runs]) if runs else None
+            per[method] = {"eps": eps, "method": method, "best": best, "runs": runs, "dice": dice}
+        floor = (per.get("dp-sgd") or {}).get("dice")
+        for row in per.values():
+            gap = None
+            if row["dice"] and floor and top is not None and top > floor[0]:
+                gap = (row["dice"][0] - floor[0]) / (top - floor[0])
+            rows.append({**row, "gap": gap})
+    return rows
+
+
+def _best_recipe_lines(data: dict[str, Any]) -> list[str]:
+    rows = best_recipe_rows(data)
+    if not rows:
+        return []
+    base_clip = (data.get("config_contents") or {}).get("privacy", {}).get("max_grad_norm")
+    lines = [
+        "",
+        "Best recipe per method and epsilon: the highest seed-0 validation Dice among the main "
+        "study's chosen point and every lever run of that method at that epsilon (one rule for "
+        "every method; DP-KFC has more candidates, its preconditioner levers), evaluated on "
+        "the test cases of seeds "
+        f"{data.get('seeds')}; gap closed = (Dice - best-recipe DP-SGD) / (non-private - "
+        "best-recipe DP-SGD):",
+        "",
+        "| epsilon | method | recipe | lr | clip norm | val Dice (seed 0) | test mean Dice "
+        "| gap closed | seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        best, dice = row["best"], row["dice"]
+        recipe = "main study point" if best.get("study", "main") == "main" else best["lever"]
+        test = f"{dice[0]:.3f} +- {dice[1]:.3f}" if dice else "not evaluated"
+        gap = (
+            "-" if row["gap"] is None or row["method"] == "dp-sgd" else f"{100 * row['gap']:.0f} %"
+        )
+        seeds = ",".join(str(r["seed"]) for r in row["runs"]) or "-"
+        lines.append(
+            f"| {row['eps']:g} | {row['method']} | {recipe} | {best['lr']:g} | "
+            f"{_clip_cell(base_clip, best)} | {best['val']['mean_dice']:.3f} | {test} | {gap} "
+            f"| {seeds} |"
+        )
+    return lines
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     a = np.asarray(values, dtype=float)
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
@@ -516,6 +622,7 @@ def summarize(data: dict[str, Any]) -> str:
             f"{f'{max(spent):.3f}' if spent else '-'} | "
             f"{np.mean([r['seconds'] for r in runs]) / 60:.1f} | {len(runs)} |"
         )
+    lines += _best_recipe_lines(data)
     if data.get("notes"):  # what the study did not run, in words (kept with the results)
         lines += ["", "Notes on this study:", ""] + [f"- {n}" for n in data["notes"]]
     lines += _evidence_lines(data)
@@ -791,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, default=ROOT / "configs/hippocampus_unet_3d_eps8.yaml")
-    p.add_argument("--study", choices=("main", "levers", "shipped"), default="main")
+    p.add_argument("--study", choices=("main", "levers", "best", "shipped"), default="main")
     p.add_argument(
         "--methods",
         default=",".join(METHODS),
@@ -920,6 +1027,18 @@ def main(argv: list[str] | None = None) -> int:
             ]
             _run_all(evals, base, data, out, args.runs_dir, args.workers, args.threads)
             out.with_suffix(".md").write_text(summarize(data))
+    elif args.study == "best":  # each method's best recipe per epsilon on the eval seeds
+        jobs = []
+        for eps in epsilons:
+            for m in [x for x in methods if x in METHODS[1:]]:
+                best = _best_recipe(data, m, eps)
+                if best is None or best.get("study", "main") == "main":
+                    continue  # the main study evaluates its own points
+                key = {k: best[k] for k in ("study", "lever", "method", "eps", "lr")}
+                if _clip(best) != 1.0:
+                    key["clip"] = _clip(best)
+                jobs += [{**key, "phase": "eval", "seed": s} for s in data["seeds"]]
+        _run_all(jobs, base, data, out, args.runs_dir, args.workers, args.threads)
     elif args.study == "shipped":
         data.setdefault("shipped", {})
         for eps in epsilons:

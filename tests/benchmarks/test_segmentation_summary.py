@@ -227,3 +227,27 @@ def test_levers_evaluated_on_seeds_get_their_own_table_with_the_gap(seg):
     assert f"| {lever} | - | - |" not in text
     assert seg._eval_runs(data, "dp-sgd", 8.0)[0]["study"] == "main"
     assert seg.gap_fractions(data)[8.0]["dp-sgd"] == pytest.approx(0.0)
+
+
+def test_best_recipe_is_one_rule_for_every_method_and_its_gap_uses_the_best_dpsgd(seg):
+    data = _data()
+    lever = "weight average (decay 0.9)"
+    # dp-kfc: the lever (val 0.72) beats its main point (0.70); dp-sgd: a lever that ties its
+    # main point (0.40) loses the tie to the main study
+    data["runs"].append(
+        _run("tune", "dp-sgd", 8.0, 0.01, 0, val=0.4001, study="levers", lever="cosine")
+    )
+    best = {m: seg._best_recipe(data, m, 8.0) for m in ("dp-sgd", "dp-kfc")}
+    assert best["dp-kfc"]["lever"] == lever and best["dp-sgd"].get("study") == "main"
+    rows = {r["method"]: r for r in seg.best_recipe_rows(data)}
+    assert rows["dp-kfc"]["dice"] is None  # the lever is not evaluated yet
+    for seed, test in ((1, 0.75), (2, 0.77)):
+        data["runs"].append(
+            _run("eval", "dp-kfc", 8.0, 0.03, seed, test=test, study="levers", lever=lever)
+        )
+    rows = {r["method"]: r for r in seg.best_recipe_rows(data)}
+    assert rows["dp-kfc"]["dice"][0] == pytest.approx(0.76)
+    assert rows["dp-kfc"]["gap"] == pytest.approx((0.76 - 0.32) / (0.85 - 0.32))
+    text = seg.summarize(data)
+    assert f"| 8 | dp-kfc | {lever} | 0.03 | x1 | 0.720 | 0.760 +- 0.014 | 83 % | 1,2 |" in text
+    assert "| 8 | dp-sgd | main study point | 0.01 | x1 | 0.400 | 0.320 +- 0.028 | - | 1,2 |" in text
