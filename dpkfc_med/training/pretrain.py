@@ -11,9 +11,9 @@ unchanged; the report records it as provenance of the initial weights.
 Pretrained weights can be kept in a cache folder (``pretrain.cache_dir``) keyed by a hash of
 everything that determines them (the initial weights and the network's structure, the
 pretraining settings, the synthetic data's shape, spacing, classes and exponent, the loss, the
-device type and the torch and package versions). A later run with the same key (another
-method, epsilon or learning rate on the same seed) loads them instead of pretraining again;
-the weights are bitwise those it would have computed. The cache holds no private data.
+device type, the torch and package versions and the source of the generating code). A later
+run with the same key (another method, epsilon or learning rate on the same seed) loads them
+instead of pretraining again; the weights are bitwise those it would have computed. The cache holds no private data.
 """
 
 from __future__ import annotations
@@ -141,6 +141,8 @@ def pretrain_cache_key(
         "device": torch.device(device).type,
         "torch": torch.__version__,
         "dpkfc_med": dpkfc_med.__version__,
+        # the code that draws the volumes and trains: an edited checkout gets new keys
+        "code": _code_digest(),
         "model": repr(model),
     }
     h.update(json.dumps(meta, sort_keys=True).encode())
@@ -148,6 +150,19 @@ def pretrain_cache_key(
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _code_digest() -> str:
+    """SHA-256 of the source of the modules that determine the pretrained weights."""
+    import inspect
+    import sys
+
+    from dpkfc_med.probes import noise, sources
+
+    h = hashlib.sha256()
+    for module in (sys.modules[__name__], sources, noise):
+        h.update(inspect.getsource(module).encode())
     return h.hexdigest()
 
 
@@ -200,8 +215,19 @@ def pretrain_synthetic(
             stores them.
         loss_id: identifies ``loss`` in the cache key (required with ``cache_dir``).
     """
+
+    def draw(step: int) -> tuple[Tensor, Tensor]:
+        return synthetic_shapes(
+            spatial_shape,
+            num=spec.batch_size,
+            num_classes=num_classes,
+            spacing=spacing,
+            alpha=alpha,
+            generator=torch.Generator().manual_seed(spec.seed + step),
+        )
+
     if cache_dir is None:
-        return _pretrain(model, spec, loss, spatial_shape, num_classes, spacing, alpha, device)
+        return _pretrain(model, spec, loss, draw, spatial_shape, alpha, device)
     if not loss_id:
         raise ValueError("pretrain_synthetic: cache_dir needs a loss_id naming the loss")
     key = pretrain_cache_key(
@@ -223,7 +249,7 @@ def pretrain_synthetic(
             model.train()
             log.info("data-free pretraining: weights loaded from the cache (%s)", path)
             return {**saved["record"], "cache": {"key": key, "reused": True}}
-        record = _pretrain(model, spec, loss, spatial_shape, num_classes, spacing, alpha, device)
+        record = _pretrain(model, spec, loss, draw, spatial_shape, alpha, device)
         buf = io.BytesIO()
         state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
         torch.save({"state_dict": state, "record": record}, buf)
@@ -235,27 +261,18 @@ def _pretrain(
     model: nn.Module,
     spec: PretrainSpec,
     loss: Callable[[Tensor, Tensor], Tensor],
+    draw: Callable[[int], tuple[Tensor, Tensor]],
     spatial_shape: Sequence[int],
-    num_classes: int,
-    spacing: Sequence[float],
     alpha: float,
     device: torch.device,
 ) -> dict[str, Any]:
-    """The pretraining steps themselves (see :func:`pretrain_synthetic`)."""
+    """The pretraining steps themselves; ``draw(t)`` is step ``t``'s synthetic batch."""
     t0 = time.perf_counter()
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     model.train()
     last = float("nan")
     for step in range(spec.steps):
-        g = torch.Generator().manual_seed(spec.seed + step)
-        x, y = synthetic_shapes(
-            spatial_shape,
-            num=spec.batch_size,
-            num_classes=num_classes,
-            spacing=spacing,
-            alpha=alpha,
-            generator=g,
-        )
+        x, y = draw(step)
         opt.zero_grad(set_to_none=True)
         out = loss(model(x.to(device)), y.to(device))
         out.backward()
