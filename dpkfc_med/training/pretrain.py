@@ -13,7 +13,8 @@ everything that determines them (the initial weights and the network's structure
 pretraining settings, the synthetic data's shape, spacing, classes and exponent, the loss, the
 device type, the torch and package versions and the source of the generating code). A later
 run with the same key (another method, epsilon or learning rate on the same seed) loads them
-instead of pretraining again; the weights are bitwise those it would have computed. The cache holds no private data.
+instead of pretraining again; the weights are bitwise those it would have computed. The cache
+holds no private data.
 """
 
 from __future__ import annotations
