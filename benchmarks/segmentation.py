@@ -841,6 +841,17 @@ def plot(data: dict[str, Any], path: Path) -> None:
                 xs.append(eps), ms.append(m), ss.append(s)
         if xs:
             ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=method)
+    for method in METHODS[1:]:  # each method's best recipe (lever or main point) per epsilon
+        pts = [
+            (r["eps"], *r["dice"])
+            for r in best_recipe_rows(data)
+            if r["method"] == method and r["dice"] is not None
+        ]
+        if pts:
+            xs, ms, ss = zip(*sorted(pts))
+            ax.errorbar(
+                xs, ms, yerr=ss, marker="s", ls="--", capsize=3, label=f"{method}, best recipe"
+            )
     ax.set_xscale("log")
     ax.set_xticks(eps_list, [f"{e:g}" for e in eps_list])
     ax.set_xlabel("epsilon (one patient = one unit)")
