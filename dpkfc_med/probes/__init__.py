@@ -44,10 +44,10 @@ __all__ = [
     "fit_spectral_slope",
     "get_preset",
     "match_intensity",
-    "shape_volumes",
     "pink_noise",
     "radial_power_spectrum",
     "sample_model_targets",
+    "shape_volumes",
     "white_noise",
     "zipf_tokens",
 ]

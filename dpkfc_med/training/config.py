@@ -442,7 +442,7 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
         )
     if isinstance(cfg.pretrain.steps, int) and cfg.pretrain.steps < 0:
         problems.append(f"pretrain.steps={cfg.pretrain.steps}: must be >= 0 (0 = off)")
-    if cfg.probes.kind == "shapes" and cfg.data.task != "segmentation":
+    if cfg.probes.kind == NoiseKind.SHAPES.value and cfg.data.task != "segmentation":
         problems.append(
             "probes.kind='shapes': shape volumes come with label maps and apply to segmentation; "
             "use 'pink' for classification"

@@ -42,6 +42,7 @@ OPERATIONAL_FIELDS = frozenset(
         "training.device",
         "training.eval_batch_size",
         "output.dir",
+        "pretrain.cache_dir",  # where identical pretrained weights are kept, not what they are
         "data.path",  # allowed only when the data's fingerprint is unchanged (checked by the loop)
     }
 )

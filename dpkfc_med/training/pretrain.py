@@ -163,7 +163,10 @@ def _code_digest() -> str:
 
     h = hashlib.sha256()
     for module in (sys.modules[__name__], sources, noise):
-        h.update(inspect.getsource(module).encode())
+        try:
+            h.update(inspect.getsource(module).encode())
+        except (OSError, TypeError):  # installed without sources: the version names the code
+            h.update(module.__name__.encode())
     return h.hexdigest()
 
 

@@ -174,3 +174,15 @@ def test_pretrain_cache_reuses_bitwise_the_weights_it_would_compute(tmp_path):
         third, _ = _pretrained(cfg3, task)
         assert third["cache"]["reused"] is False, change
     assert len(list(cache.glob("*.pt"))) == 3
+
+
+def test_resume_may_move_the_pretraining_cache_but_not_change_pretraining():
+    """The cache folder is where identical weights are kept: a resume may change it."""
+    from dpkfc_med.training.plan import config_changes, resume_replans
+
+    original = load_config(CONFIG, TINY)
+    moved = load_config(CONFIG, TINY + ["pretrain.cache_dir=/tmp/elsewhere"])
+    assert resume_replans(config_changes(original, moved), "run") is False
+    changed = load_config(CONFIG, TINY + ["pretrain.steps=4"])
+    with pytest.raises(ConfigError, match=r"pretrain.steps: 3 -> 4"):
+        resume_replans(config_changes(original, changed), "run")
