@@ -234,7 +234,9 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         """
         self.precondition_grad_samples()
         ghost = self._ghost_params()
-        layer_sq = {id(r): r.norms_sq(self.unit_ids) for r, _ in ghost.values()}
+        # one norm per layer: its weight and bias share the rows
+        unique = {id(r): r for r, _ in ghost.values()}
+        layer_sq = {key: r.norms_sq(self.unit_ids) for key, r in unique.items()}
         ghost_sq: dict[int, Tensor] = {}
         for pid, (rows, kind) in ghost.items():
             w_sq, b_sq = layer_sq[id(rows)]

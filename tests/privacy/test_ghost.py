@@ -214,6 +214,27 @@ def test_second_backward_before_step_is_refused():
         F.cross_entropy(pm(x[:5]), y[:5]).backward()
 
 
+def test_ghost_layer_norms_are_formed_once_per_step(monkeypatch):
+    """A layer's weight and bias share one norm computation (rows transformed once)."""
+    from dpkfc_med.privacy.ghost import GhostRows
+
+    calls: list[int] = []
+    original = GhostRows.norms_sq
+
+    def counted(self, unit_ids=None):
+        calls.append(id(self))
+        return original(self, unit_ids)
+
+    monkeypatch.setattr(GhostRows, "norms_sq", counted)
+    torch.manual_seed(0)
+    pm, popt, x, y = _private(_Tokens(), (4, 4, 4), "dp-sgd", None, "ghost")
+    F.cross_entropy(pm(x), y).backward()
+    layers = len(pm.ghost_rows)
+    assert any(r.has_bias for r in pm.ghost_rows.values())
+    popt.step()
+    assert len(calls) == layers == len(set(calls))
+
+
 def test_ghost_choice_depends_on_shapes_only():
     """One position: ghost wins; a wide conv at many positions: per-sample wins."""
     assert ghost_path_wins(positions=1, groups=1, n_a=513, n_g=32)
