@@ -167,6 +167,21 @@ def row_norms_sq(
     return w_out, b_out
 
 
+def _cat_norms(
+    parts: list[tuple[Tensor, Tensor | None]], b: int, has_bias: bool, like: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Per-slice ``(weight, bias)`` norms joined in sample order (an empty batch: zeros)."""
+    if not parts:
+        return like.new_zeros(b), (like.new_zeros(b) if has_bias else None)
+    w = torch.cat([w for w, _ in parts])
+    biases = [x for _, x in parts if x is not None]
+    return w, (torch.cat(biases) if has_bias and biases else None)
+
+
+NORM_CHUNK_ELEMENTS = 1 << 18
+"""Transformed rows (elements) one slice of a ghost norm forms at once, when every sample is
+its own unit: 1 MiB in float32, a piece the matrix products keep in cache."""
+
 SUM_CHUNK_ELEMENTS = 1 << 24
 """Raw rows (elements) one chunk of a clipped sum may unfold at once (64 MiB in float32)."""
 
@@ -201,8 +216,11 @@ class GhostRows:
         """Add a further use of the layer in the same pass (its positions join the sum)."""
         self.uses += other.uses
 
-    def _raw(self, sl: slice = slice(None)) -> tuple[Tensor, Tensor]:
-        """Raw rows ``[b, G, T, n_w]`` and errors ``[b, G, T, n_g]`` of samples ``sl``."""
+    def _raw(self, sl: slice | Tensor = slice(None)) -> tuple[Tensor, Tensor]:
+        """Raw rows ``[b, G, T, n_w]`` and errors ``[b, G, T, n_g]`` of samples ``sl``.
+
+        ``sl``: a slice (views) or sample indices (copies).
+        """
         adapter, module = self.block.adapter, self.module
         assert adapter.rows is not None and adapter.error_rows is not None
         parts = [
@@ -215,13 +233,42 @@ class GhostRows:
     def norms_sq(self, unit_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Squared norms of each unit's transformed gradient: ``(weight [U], bias [U] or None)``.
 
-        ``unit_ids``: as for :func:`row_norms_sq`. The transformed rows of the whole batch
-        are formed here and dropped on return.
+        ``unit_ids``: as for :func:`row_norms_sq`. Transformed rows exist for one slice of
+        whole units at a time (:data:`NORM_CHUNK_ELEMENTS`).
         """
-        rows, err = self._raw()
-        d, a_t = self.block.transformed_rows(rows, err)
-        del rows, err
-        return row_norms_sq(d, a_t, self.block.dims[1] - self.has_bias, unit_ids)
+        n_w = self.block.dims[1] - self.has_bias
+        b = self.uses[0][0].shape[0]
+        _, n_a, n_g = self.block.dims
+        # The rows' transform runs on cache-sized slices of whole units (as the per-sample
+        # path's chunks do): NORM_CHUNK_ELEMENTS transformed rows, at least one unit.
+        per_sample = sum(e[:1].numel() for _, e in self.uses) * n_a // n_g
+        step = max(1, NORM_CHUNK_ELEMENTS // max(per_sample, 1))
+        if unit_ids is None:  # every sample its own unit: slices view the rows
+            parts = []
+            for s in range(0, b, step):
+                rows, err = self._raw(slice(s, s + step))
+                parts.append(row_norms_sq(*self.block.transformed_rows(rows, err), n_w))
+            return _cat_norms(parts, b, self.has_bias, self.uses[0][1])
+        ids = unit_ids.long().to(self.uses[0][1].device)
+        n_units = int(ids.max()) + 1 if b else 0
+        order = torch.sort(ids, stable=True).indices
+        sorted_ids = ids[order]
+        # chunk ends fall between units: after at least `step` samples, at the next new unit
+        ends = (torch.nonzero(sorted_ids[1:] != sorted_ids[:-1]).flatten() + 1).tolist() + [b]
+        w_out = ids.new_zeros(n_units, dtype=self.uses[0][1].dtype)
+        b_out = w_out.clone() if self.has_bias else None
+        s = 0
+        while s < b:
+            e = next(e for e in ends if e >= min(s + step, b))
+            idx = order[s:e]
+            owners, local = torch.unique_consecutive(sorted_ids[s:e], return_inverse=True)
+            rows, err = self._raw(idx)
+            w, bias = row_norms_sq(*self.block.transformed_rows(rows, err), n_w, local)
+            w_out[owners] = w
+            if b_out is not None and bias is not None:
+                b_out[owners] = bias
+            s = e
+        return w_out, b_out
 
     def clipped_sum(self, coef: Tensor) -> tuple[Tensor, Tensor | None]:
         """``sum_i coef_i g~_i`` as ``(weight [G, n_g, n_w], bias [G, n_g] or None)``.

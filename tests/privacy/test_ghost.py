@@ -140,10 +140,12 @@ def test_ghost_clipped_sum_equals_per_sample(layout, method, float64):
 
 @pytest.mark.parametrize("layout", ["conv2d-grouped", "linear-shared"])
 def test_ghost_clipped_sum_in_chunks_of_one_sample(layout, monkeypatch, float64):
-    """The raw clipped sum formed one sample at a time equals the per-sample path's."""
+    """Norms and the raw clipped sum formed one sample (one unit) at a time equal the
+    per-sample path's."""
     import dpkfc_med.privacy.ghost as ghost
 
     monkeypatch.setattr(ghost, "SUM_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(ghost, "NORM_CHUNK_ELEMENTS", 1)
     _check_modes_agree(layout, "dp-kfc-ag")
 
 
@@ -152,7 +154,7 @@ def _check_modes_agree(layout: str, method: str) -> None:
     kind, pre = METHODS[method]
     torch.manual_seed(2)
     base = build()
-    units = torch.arange(24) // 3  # 8 patients with 3 images each
+    units = torch.arange(24) % 8  # 8 patients with 3 images each, interleaved in the batch
     sums = {}
     pm, popt, x, y = _private(base, shape, kind, pre, "per_sample")
     for clipping in ("per_sample", "ghost", "auto"):
