@@ -71,6 +71,9 @@ class LayerAdapter:
             row-major order, so per-sample gradients ``[B, G, n_g, n_w]`` reshape to the
             weight without a copy; the training-step sampler uses this path.
         error_rows: ``(module, dy) -> delta`` of shape ``[B, G, T, n_g]`` (a view of ``dy``).
+        summed_grad: optional ``(module, x, dy) -> [G, n_g, n_a]``, the gradient summed over
+            the batch (bias column last) by the layer's own weight-gradient kernel, without
+            an unfold; ghost clipping's weighted sum uses it (errors scaled per sample).
     """
 
     name: str
@@ -82,6 +85,7 @@ class LayerAdapter:
     param_grads: Callable[[nn.Module, Tensor, Tensor], dict[nn.Parameter, Tensor]] | None = None
     rows: Callable[[nn.Module, Tensor], Tensor] | None = None
     error_rows: Callable[[nn.Module, Tensor], Tensor] | None = None
+    summed_grad: Callable[[nn.Module, Tensor, Tensor], Tensor] | None = None
 
 
 _ADAPTERS: dict[type[nn.Module], LayerAdapter] = {}
@@ -308,6 +312,31 @@ def _conv_from_params(module: Any, grads: dict[nn.Parameter, Tensor]) -> Tensor:
     return _join_bias(module, grads, w)
 
 
+def _conv_summed_grad(module: Any, x: Tensor, dy: Tensor) -> Tensor:
+    # The convolution's own weight-gradient kernel (oneDNN / cuDNN) on the padded input:
+    # the batch's summed gradient without the [B, T, n_a] unfold of the row path.
+    x = _conv_padded_input(module, x)
+    n = len(module.kernel_size)
+    has_bias = _has_bias(module)
+    with torch.no_grad():  # a value for the optimizer, not part of any graph
+        _, gw, gb = torch.ops.aten.convolution_backward(
+            dy,
+            x,
+            module.weight,
+            [module.out_channels] if has_bias else None,
+            module.stride,
+            [0] * n,
+            module.dilation,
+            False,
+            [0] * n,
+            module.groups,
+            [False, True, has_bias],
+        )
+    g, n_a, n_g = _conv_dims(module)
+    w = gw.reshape(g, n_g, -1)
+    return torch.cat([w, gb.reshape(g, n_g, 1)], dim=-1) if has_bias else w
+
+
 def _conv_dims(module: Any) -> tuple[int, int, int]:
     w = module.weight  # type: ignore[union-attr]
     g = module.groups  # type: ignore[union-attr]
@@ -325,6 +354,7 @@ CONV = register_adapter(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
         _conv_dims,
         rows=_conv_rows,
         error_rows=_conv_error_rows,
+        summed_grad=_conv_summed_grad,
     )
 )
 

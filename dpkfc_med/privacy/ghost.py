@@ -279,6 +279,15 @@ class GhostRows:
         """
         g, n_a, n_g = self.block.dims
         b = self.uses[0][0].shape[0]
+        summed = self.block.adapter.summed_grad
+        if summed is not None:  # the layer's own weight-gradient kernel on weighted errors
+            raw = sum(
+                summed(self.module, x, e * coef.to(e.dtype).view(-1, *[1] * (e.dim() - 1)))
+                for x, e in self.uses
+            )
+            full = self.block.transform_grads(raw.unsqueeze(0))[0]  # type: ignore[union-attr]
+            n_w = n_a - self.has_bias
+            return full[..., :n_w], (full[..., n_w] if self.has_bias else None)
         # a sample's rows: G T n_w elements, from its errors' G T n_g
         per_sample = sum(e[:1].numel() for _, e in self.uses) * n_a // n_g
         raw = self.uses[0][1].new_zeros(g, n_g, n_a)

@@ -184,6 +184,11 @@ def _preconditioned_sampler(
             return _ghost_sampler(
                 module, adapter, activations[0], backprops, ghost_block, kept, ghost[1]
             )
+    if block is None and isinstance(module, _CONVS) and module.padding_mode != "zeros":
+        # Opacus' conv formula unfolds with zero padding whatever the layer's padding_mode
+        # (reflect, replicate, circular): the adapter's rows pad as the layer does.
+        assert adapter is not None
+        block = KroneckerBlock(name=type(module).__name__, module=module, adapter=adapter)
     if block is None:
         if type(module) in _OPACUS_SAMPLERS:
             if isinstance(module, _CONVS):

@@ -58,6 +58,20 @@ def _conv2d() -> nn.Module:
     )
 
 
+class _ConvModes(nn.Module):
+    """Padding modes, "same" padding with dilation, no bias, and one conv used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 5, 3, padding="same", dilation=2, padding_mode="reflect")
+        self.b = nn.Conv2d(5, 5, 3, padding=1, padding_mode="circular", bias=False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.b(torch.tanh(self.a(x))))))
+        return self.head(h.mean((2, 3)))
+
+
 def _conv3d() -> nn.Module:
     return nn.Sequential(
         nn.Conv3d(4, 3, 2, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 2 * 2 * 2, 3)
@@ -80,6 +94,7 @@ LAYOUTS = {
     "linear-shared": (_Shared, (4, 4, 4)),
     "conv1d": (_conv1d, (4, 16)),
     "conv2d-grouped": (_conv2d, (4, 4, 4)),
+    "conv2d-modes": (_ConvModes, (4, 6, 6)),
     "conv3d": (_conv3d, (4, 4, 4, 4)),
     "convtranspose": (_convtranspose, (4, 4, 4)),
 }

@@ -448,6 +448,33 @@ def test_chunked_sampler_equals_transform_of_autograd_per_sample_grads(
         assert not hasattr(module, "_dpkfc_raw_sq")  # nothing is stored on the modules
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_dp_sgd_per_sample_grads_of_padded_convs_match_autograd(mode, float64):
+    """DP-SGD's per-sample gradients of a conv that pads by ``mode`` (not zeros) equal
+    brute-force autograd (Opacus' own conv formula pads with zeros whatever the mode)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1, padding_mode=mode),
+        nn.Tanh(),
+        nn.Conv2d(3, 2, 3, padding="same", dilation=2, padding_mode=mode, bias=False),
+        nn.Flatten(),
+        nn.Linear(2 * 8 * 8, 3),
+    )
+    plain = copy.deepcopy(model)
+    x, y = _data(6)
+    _, (pm, popt, _) = _engine("dp-sgd", model, x, y, loss_reduction="sum")
+    popt.zero_grad()
+    F.cross_entropy(pm(x), y, reduction="sum").backward()
+    for (name, p), twin in zip(model.named_parameters(), plain.parameters()):
+        want = torch.stack(
+            [
+                torch.autograd.grad(F.cross_entropy(plain(x[i : i + 1]), y[i : i + 1]), twin)[0]
+                for i in range(len(x))
+            ]
+        )
+        torch.testing.assert_close(p.grad_sample, want, msg=name)
+
+
 def test_empty_poisson_batch_is_a_pure_noise_step(float64):
     """Poisson sampling can draw no sample: every sampler copes and the step is noise only."""
     updates = {}
