@@ -260,6 +260,33 @@ def _in_dtype(t: Any, dtype: torch.dtype | None) -> Any:
     return t.to(dtype)
 
 
+def _adopt_fresh(
+    module: nn.Module, grads: dict[nn.Parameter, Tensor], inputs: list[Tensor]
+) -> dict[nn.Parameter, Tensor]:
+    """Hand a layer's first per-sample gradients of a pass to Opacus without its copy.
+
+    Opacus accumulates each result into ``p._current_grad_sample``, which it first creates as
+    a zero-filled ``[max_batch_len, ...]`` tensor and copies into: a fill and a copy per
+    parameter per step. A full-batch result that shares no memory with the hook's inputs
+    becomes that tensor itself (a later use of the layer in the same pass adds to it as
+    before); the others go through Opacus' path.
+    """
+    batch = getattr(module, "max_batch_len", None)
+    taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor)}
+    rest: dict[nn.Parameter, Tensor] = {}
+    for p, gs in grads.items():
+        if (
+            p.requires_grad
+            and not hasattr(p, "_current_grad_sample")
+            and gs.shape[0] == batch
+            and gs.untyped_storage().data_ptr() not in taken
+        ):
+            p._current_grad_sample = gs  # type: ignore[attr-defined]
+        else:
+            rest[p] = gs
+    return rest
+
+
 class PreconditionedGradSampleModule(GradSampleModule):
     """Opacus ``GradSampleModule`` with preconditioned grad samplers for covered layers.
 
@@ -299,7 +326,7 @@ class PreconditionedGradSampleModule(GradSampleModule):
     def _sample(
         self, module: nn.Module, activations: list[Tensor], backprops: Tensor
     ) -> dict[nn.Parameter, Tensor]:
-        return _preconditioned_sampler(
+        out = _preconditioned_sampler(
             module,
             activations,
             backprops,
@@ -307,6 +334,7 @@ class PreconditionedGradSampleModule(GradSampleModule):
             self.raw_norms_sq,
             (self.clipping, self.ghost_rows),
         )
+        return _adopt_fresh(module, out, [*activations, backprops])
 
     def rearrange_grad_samples(
         self, *, module: nn.Module, backprops: Tensor, loss_reduction: str, batch_first: bool
