@@ -629,3 +629,22 @@ def test_data_containers_are_refused_as_probe_sources(kind):
     else:
         assert f"probe_source is a {type(source).__name__}" in text
         assert "no private data" in text
+
+
+def test_fresh_per_sample_gradients_are_adopted_without_a_copy():
+    """A full-batch result that shares no memory with the hook's inputs becomes Opacus'
+    accumulation buffer itself; views of the inputs, partial batches and second uses do not."""
+    from dpkfc_med.privacy.grad_sample import _adopt_fresh
+
+    layer = nn.Linear(3, 2)
+    layer.max_batch_len = 4  # type: ignore[assignment]
+    x, dy = torch.randn(4, 3), torch.randn(4, 2)
+    fresh = torch.randn(4, 2, 3)
+    rest = _adopt_fresh(layer, {layer.weight: fresh, layer.bias: dy[:]}, [x, dy])
+    assert layer.weight._current_grad_sample is fresh  # type: ignore[attr-defined]
+    assert list(rest) == [layer.bias] and rest[layer.bias] is not None
+    again = _adopt_fresh(layer, {layer.weight: torch.randn(4, 2, 3)}, [x, dy])
+    assert list(again) == [layer.weight]  # a second use adds through Opacus' path
+    other = nn.Linear(3, 2)
+    other.max_batch_len = 5  # type: ignore[assignment]
+    assert list(_adopt_fresh(other, {other.weight: fresh}, [x, dy])) == [other.weight]
