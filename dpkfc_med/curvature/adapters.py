@@ -39,6 +39,7 @@ from torch import Tensor, nn
 __all__ = [
     "LayerAdapter",
     "adapter_for",
+    "kernel_per_sample_wins",
     "register_adapter",
     "supported_layer_types",
     "unfold_channels_first",
@@ -74,6 +75,10 @@ class LayerAdapter:
         summed_grad: optional ``(module, x, dy) -> [G, n_g, n_a]``, the gradient summed over
             the batch (bias column last) by the layer's own weight-gradient kernel, without
             an unfold; ghost clipping's weighted sum uses it (errors scaled per sample).
+        per_sample_grads: optional ``(module, x, dy) -> (w [B, G, n_g, n_w], b [B, G, n_g]
+            or None)``, raw per-sample gradients by the layer's own weight-gradient kernel
+            (the batch as groups), without an unfold; the sampler's materialized path uses it
+            where :func:`kernel_per_sample_wins` says it is faster.
     """
 
     name: str
@@ -86,6 +91,9 @@ class LayerAdapter:
     rows: Callable[[nn.Module, Tensor], Tensor] | None = None
     error_rows: Callable[[nn.Module, Tensor], Tensor] | None = None
     summed_grad: Callable[[nn.Module, Tensor, Tensor], Tensor] | None = None
+    per_sample_grads: Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor | None]] | None = (
+        None
+    )
 
 
 _ADAPTERS: dict[type[nn.Module], LayerAdapter] = {}
@@ -337,6 +345,43 @@ def _conv_summed_grad(module: Any, x: Tensor, dy: Tensor) -> Tensor:
     return torch.cat([w, gb.reshape(g, n_g, 1)], dim=-1) if has_bias else w
 
 
+def _conv_per_sample_grads(module: Any, x: Tensor, dy: Tensor) -> tuple[Tensor, Tensor | None]:
+    # Per-sample weight gradients as one grouped convolution's weight gradient: the batch
+    # becomes B x groups groups of the padded input, the weight is repeated per sample.
+    x = _conv_padded_input(module, x)
+    b, n = x.shape[0], len(module.kernel_size)
+    g, _, n_g = _conv_dims(module)
+    with torch.no_grad():
+        _, gw, _ = torch.ops.aten.convolution_backward(
+            dy.reshape(1, -1, *dy.shape[2:]),
+            x.reshape(1, -1, *x.shape[2:]),
+            module.weight.detach().repeat(b, *[1] * (n + 1)),
+            None,
+            module.stride,
+            [0] * n,
+            module.dilation,
+            False,
+            [0] * n,
+            b * g,
+            [False, True, False],
+        )
+    w = gw.reshape(b, g, n_g, -1)
+    bias = dy.flatten(2).sum(-1).reshape(b, g, n_g) if _has_bias(module) else None
+    return w, bias
+
+
+def kernel_per_sample_wins(module: nn.Module) -> bool:
+    """Whether a convolution's per-sample gradients are faster from its kernel than unfolded.
+
+    Measured on 2 CPU cores (oneDNN): 2-4x faster for every 2D convolution and for 3D
+    convolutions with several input channels per group; slower (about 2x) for a 3D
+    convolution on one input channel, whose unfold is small. Shapes only, never data.
+    """
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return False
+    return len(module.kernel_size) < 3 or module.in_channels // module.groups > 1
+
+
 def _conv_dims(module: Any) -> tuple[int, int, int]:
     w = module.weight  # type: ignore[union-attr]
     g = module.groups  # type: ignore[union-attr]
@@ -355,6 +400,7 @@ CONV = register_adapter(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
         rows=_conv_rows,
         error_rows=_conv_error_rows,
         summed_grad=_conv_summed_grad,
+        per_sample_grads=_conv_per_sample_grads,
     )
 )
 

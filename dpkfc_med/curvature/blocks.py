@@ -681,21 +681,46 @@ class KroneckerBlock:
                 else:
                     torch.mul(d.sum(-2), c, out=b_out)
             return w_out, b_out, raw_sq
+        assert raw_w is not None
+        self.transform_raw(raw_w, raw_b, (w_out, b_out), mixed=mixed)
+        return w_out, b_out, raw_sq
+
+    def transform_raw(
+        self,
+        raw_w: Tensor,
+        raw_b: Tensor | None,
+        out: tuple[Tensor, Tensor | None],
+        *,
+        mixed: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        r"""``s U_G [raw_w, raw_b] U_A`` of raw per-sample gradients, into ``out``.
+
+        The materialized path of :meth:`sample_grads`, for raw gradients from anywhere
+        (unfolded rows, or a convolution's own kernel: the adapter's ``per_sample_grads``).
+
+        Args:
+            raw_w: ``[B, G, n_g, n_w]`` raw weight gradients.
+            raw_b: ``[B, G, n_g]`` raw bias gradients, or ``None`` without a bias.
+            out: contiguous ``([B, G, n_g, n_w], [B, G, n_g] or None)`` result buffers.
+            mixed: ``raw_w`` comes from channel-mixed rows (only ``U_K`` is left).
+        """
+        w_out, b_out = out
+        n_w = raw_w.shape[-1]
+        has_bias = raw_b is not None
         if self.u_elem is not None:  # diagonal family: elementwise on the raw gradient
-            assert raw_w is not None
             u, sc = self.u_elem, self.scale
             torch.mul(raw_w, u[..., :n_w] * sc, out=w_out)
             if b_out is not None:
                 assert raw_b is not None
                 torch.mul(raw_b, u[..., n_w] * sc, out=b_out)
-            return w_out, b_out, raw_sq
+            return w_out, b_out
         if mixed and self.u_g is None and self.a_kron is not None:
             # the default A-only kron step: U_K and the scale in one matmul into the output
             self.a_kron.right_k(raw_w, self.scale, out=w_out)
             if b_out is not None:
                 assert raw_b is not None
                 torch.mul(raw_b, (self.a_kron.u_bias or 1.0) * self.scale, out=b_out)
-            return w_out, b_out, raw_sq
+            return w_out, b_out
         full, c = self._times_a(raw_w, has_bias, mixed)
         w, bias = full[..., :n_w], None
         if raw_b is not None:
@@ -709,7 +734,7 @@ class KroneckerBlock:
         if b_out is not None:
             assert bias is not None
             self._times_g_into(bias.unsqueeze(-1), b_out.unsqueeze(-1))
-        return w_out, b_out, raw_sq
+        return w_out, b_out
 
 
 @dataclass

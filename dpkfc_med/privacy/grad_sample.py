@@ -23,7 +23,12 @@ from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import Tensor, nn
 
-from dpkfc_med.curvature.adapters import LayerAdapter, adapter_for, supported_layer_types
+from dpkfc_med.curvature.adapters import (
+    LayerAdapter,
+    adapter_for,
+    kernel_per_sample_wins,
+    supported_layer_types,
+)
 from dpkfc_med.curvature.preconditioner import KroneckerBlock, raw_norms_sq
 from dpkfc_med.privacy.ghost import MAX_GHOST_POSITIONS, Clipping, GhostRows, ghost_path_wins
 from dpkfc_med.utils import check_choice
@@ -218,6 +223,15 @@ def _preconditioned_sampler(
     g, n_a, n_g = block.dims
     positions = math.prod(backprops.shape[1:]) // (g * n_g)  # T
     step = _sample_chunk(b, positions * g * n_a)
+    # raw per-sample gradients from the layer's own kernel where that beats the unfold
+    kernel = (
+        adapter.per_sample_grads
+        if adapter.per_sample_grads is not None
+        and kron is None
+        and kernel_per_sample_wins(module)
+        and block.choose_path(b, positions) == "materialized"
+        else None
+    )
     raw_parts: list[Tensor] = []
     for start in range(0, b, step):
         sl = slice(start, start + step)
@@ -227,6 +241,15 @@ def _preconditioned_sampler(
             w_out[sl].view(n, g, n_g, -1),
             None if b_out is None else b_out[sl].view(n, g, n_g),
         )
+        if kernel is not None:
+            raw_w, raw_b = kernel(module, xs, backprops[sl])
+            if need:
+                kernel_sq = raw_w[:need].pow(2).flatten(1).sum(1)
+                if raw_b is not None:
+                    kernel_sq = kernel_sq + raw_b[:need].pow(2).flatten(1).sum(1)
+                raw_parts.append(kernel_sq)
+            block.transform_raw(raw_w, raw_b, outs)
+            continue
         if kron is not None:
             # kron U_A: U_C on the input channels, then Opacus-sized products and U_K
             rows = adapter.rows(module, kron.mix_channels(xs))

@@ -138,6 +138,16 @@ def test_per_sample_grads_match_autograd(case, float64):
     # round trip of the layout map
     back = adapter.from_params(module, grads)
     torch.testing.assert_close(back, torch.einsum("btgo,btgi->bgoi", d, a))
+    kernel = adapter.per_sample_grads
+    assert (kernel is not None) == (case.startswith("conv") and not case.startswith("convt"))
+    if kernel is not None:  # the layer's own kernel, batch as groups: the same gradients
+        w, b = kernel(module, x, _delta(module, x, r))
+        torch.testing.assert_close(w, back[..., : w.shape[-1]], rtol=1e-10, atol=1e-12)
+        assert (b is None) == (module.bias is None)
+        if b is not None:
+            torch.testing.assert_close(b, back[..., -1], rtol=1e-10, atol=1e-12)
+        summed = adapter.summed_grad(module, x, _delta(module, x, r))
+        torch.testing.assert_close(summed, back.sum(0), rtol=1e-10, atol=1e-12)
 
 
 def _delta(module: nn.Module, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
