@@ -678,9 +678,8 @@ def summarize(data: dict[str, Any]) -> str:
             "",
             "Shipped configs trained as shipped (noise from OS entropy, 2 torch threads, seed 0's "
             "split), then `dpkfc-med evaluate RUN --data FOLDER` on a folder of the run's test "
-            "cases only. The minutes were measured while other benchmarks shared the 2 cores "
-            "(load average 4-8); the main study's runs of the same config took the minutes per "
-            "run listed above at one thread each, two in parallel:",
+            "cases only. Minutes include data-free pretraining and exclude the evaluation; "
+            "the load on the 2 cores during each run is in the notes above:",
             "",
             "| config | eps spent | minutes (2 threads) | test Dice | Dice on the unseen-case "
             "folder (cases) | HD95 mm per class |",
