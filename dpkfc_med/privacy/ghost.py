@@ -179,8 +179,8 @@ def _cat_norms(
 
 
 NORM_CHUNK_ELEMENTS = 1 << 18
-"""Transformed rows (elements) one slice of a ghost norm forms at once, when every sample is
-its own unit: 1 MiB in float32, a piece the matrix products keep in cache."""
+"""Transformed rows (elements) one slice of a ghost norm forms at once (at least one whole
+unit): 1 MiB in float32, a piece the matrix products keep in cache."""
 
 SUM_CHUNK_ELEMENTS = 1 << 24
 """Raw rows (elements) one chunk of a clipped sum may unfold at once (64 MiB in float32)."""
