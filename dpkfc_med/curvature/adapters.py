@@ -320,51 +320,50 @@ def _conv_from_params(module: Any, grads: dict[nn.Parameter, Tensor]) -> Tensor:
     return _join_bias(module, grads, w)
 
 
-def _conv_summed_grad(module: Any, x: Tensor, dy: Tensor) -> Tensor:
-    # The convolution's own weight-gradient kernel (oneDNN / cuDNN) on the padded input:
-    # the batch's summed gradient without the [B, T, n_a] unfold of the row path.
-    x = _conv_padded_input(module, x)
+def _conv_weight_backward(
+    module: Any, x: Tensor, dy: Tensor, weight: Tensor, groups: int, bias: bool
+) -> tuple[Tensor, Tensor | None]:
+    # The convolution's own weight-gradient kernel (oneDNN / cuDNN) on the padded input,
+    # without the [B, T, n_a] unfold of the row path; a value, not part of any graph.
     n = len(module.kernel_size)
-    has_bias = _has_bias(module)
-    with torch.no_grad():  # a value for the optimizer, not part of any graph
+    with torch.no_grad():
         _, gw, gb = torch.ops.aten.convolution_backward(
             dy,
-            x,
-            module.weight,
-            [module.out_channels] if has_bias else None,
+            _conv_padded_input(module, x),
+            weight,
+            [weight.shape[0]] if bias else None,
             module.stride,
             [0] * n,
             module.dilation,
             False,
             [0] * n,
-            module.groups,
-            [False, True, has_bias],
+            groups,
+            [False, True, bias],
         )
-    g, n_a, n_g = _conv_dims(module)
+    return gw, gb
+
+
+def _conv_summed_grad(module: Any, x: Tensor, dy: Tensor) -> Tensor:
+    # the batch's summed gradient, bias column last
+    has_bias = _has_bias(module)
+    gw, gb = _conv_weight_backward(module, x, dy, module.weight, module.groups, has_bias)
+    g, _, n_g = _conv_dims(module)
     w = gw.reshape(g, n_g, -1)
-    return torch.cat([w, gb.reshape(g, n_g, 1)], dim=-1) if has_bias else w
+    return torch.cat([w, gb.reshape(g, n_g, 1)], dim=-1) if gb is not None else w
 
 
 def _conv_per_sample_grads(module: Any, x: Tensor, dy: Tensor) -> tuple[Tensor, Tensor | None]:
     # Per-sample weight gradients as one grouped convolution's weight gradient: the batch
-    # becomes B x groups groups of the padded input, the weight is repeated per sample.
-    x = _conv_padded_input(module, x)
-    b, n = x.shape[0], len(module.kernel_size)
-    g, _, n_g = _conv_dims(module)
-    with torch.no_grad():
-        _, gw, _ = torch.ops.aten.convolution_backward(
-            dy.reshape(1, -1, *dy.shape[2:]),
-            x.reshape(1, -1, *x.shape[2:]),
-            module.weight.detach().repeat(b, *[1] * (n + 1)),
-            None,
-            module.stride,
-            [0] * n,
-            module.dilation,
-            False,
-            [0] * n,
-            b * g,
-            [False, True, False],
-        )
+    # becomes B x groups groups of the input, the weight is repeated per sample.
+    b, g, (_, _, n_g) = x.shape[0], module.groups, _conv_dims(module)
+    gw, _ = _conv_weight_backward(
+        module,
+        x.reshape(1, -1, *x.shape[2:]),
+        dy.reshape(1, -1, *dy.shape[2:]),
+        module.weight.detach().repeat(b, *[1] * (module.weight.dim() - 1)),
+        b * g,
+        False,
+    )
     w = gw.reshape(b, g, n_g, -1)
     bias = dy.flatten(2).sum(-1).reshape(b, g, n_g) if _has_bias(module) else None
     return w, bias

@@ -30,6 +30,7 @@ per-layer choice between ghost norms and materialised per-sample gradients
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -259,7 +260,7 @@ class GhostRows:
         b_out = w_out.clone() if self.has_bias else None
         s = 0
         while s < b:
-            e = next(e for e in ends if e >= min(s + step, b))
+            e = ends[bisect.bisect_left(ends, min(s + step, b))]
             idx = order[s:e]
             owners, local = torch.unique_consecutive(sorted_ids[s:e], return_inverse=True)
             rows, err = self._raw(idx)
