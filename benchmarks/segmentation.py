@@ -147,6 +147,11 @@ LEVERS: dict[str, dict[str, Any]] = {
     # the two recipe levers that helped both methods on seed 0, together
     "combined: pretraining 1000 steps + 2 random crops per patient, at each method's tuned "
     "clip norm": {"pretrain": {"steps": 1000}, "data": {"patches_per_unit": 2}},
+    # the privatized update multiplied by P once more (post-processing): signal P^2 g, the
+    # damped K-FAC natural gradient, instead of the transformed step's P g
+    "natural-gradient step (P applied again to the privatized update)": {
+        "preconditioner": {"step": "natural"}
+    },
 }
 # Levers run at each method's (learning rate, clip norm) chosen in the main study; the others
 # at its learning rate chosen at the config's clip norm.
@@ -173,6 +178,7 @@ LEVER_METHODS = {
         "dp-kfc",
     ),
     "data-free pretraining 1000 steps with shape-volume probes": ("dp-kfc",),
+    "natural-gradient step (P applied again to the privatized update)": ("dp-kfc",),
 }
 
 
@@ -222,6 +228,7 @@ def _job(args: tuple[dict[str, Any], dict[str, Any], str, int]) -> dict[str, Any
         },
         "seconds": time.time() - t0,
         "threads": threads,
+        "device": cfg.training.device,
     }
 
 
@@ -693,10 +700,11 @@ def summarize(data: dict[str, Any]) -> str:
                 f"{r['test']['mean_dice']:.3f} | {u['mean_dice']:.3f} ({u['n']}) | {hd95} |"
             )
     env = data.get("environment", {})
+    devices = sorted({r.get("device", "cpu") for r in data["runs"]})
     lines += [
         "",
         f"Machine: {env.get('platform')}, {data.get('workers', 1)} runs in parallel with one "
-        f"torch thread each; git commits of the runs {', '.join(data.get('git_commits') or [str(data.get('git_commit'))])} "
+        f"torch thread each, training on {' and '.join(devices)}; git commits of the runs {', '.join(data.get('git_commits') or [str(data.get('git_commit'))])} "
         "(later commits add studies and options; the code of the runs already made is unchanged).",
     ]
     return "\n".join(lines) + "\n"
@@ -953,12 +961,20 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="torch threads per run (default: 1 with several workers, else 2)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        help="training.device of every run (default: the config's); several --workers share "
+        "one GPU",
+    )
     p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/segmentation"))
     p.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/segmentation_hippocampus.json"
     )
     args = p.parse_args(argv)
     base = yaml.safe_load(args.config.read_text())
+    if args.device:
+        base.setdefault("training", {})["device"] = args.device
     methods = args.methods.split(",")
     for method in methods:
         if method not in ALL_METHODS:
