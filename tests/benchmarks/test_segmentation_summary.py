@@ -252,3 +252,21 @@ def test_best_recipe_is_one_rule_for_every_method_and_its_gap_uses_the_best_dpsg
     assert f"| 8 | dp-kfc | {lever} | 0.03 | x1 | 0.720 | 0.760 +- 0.014 | 83 % | 1,2 |" in text
     sgd = "| 8 | dp-sgd | main study point | 0.01 | x1 | 0.400 | 0.320 +- 0.028 | - | 1,2 |"
     assert sgd in text
+
+
+def test_device_option_reaches_every_run_config(seg, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(seg, "_run_all", lambda jobs, base, *rest, **kw: seen.append((jobs, base)))
+    config = seg.ROOT / "configs" / "hippocampus_unetr_3d_eps8.yaml"
+    out = tmp_path / "out.json"
+    argv = ["--config", str(config), "--epsilons", "8", "--methods", "dp-sgd,dp-kfc"]
+    seg.main([*argv, "--device", "cuda", "--out", str(out), "--runs-dir", str(tmp_path)])
+    jobs = [k for batch, _ in seen for k in batch]
+    assert {k["method"] for k in jobs} == {"dp-sgd", "dp-kfc"}
+    for batch, base in seen:
+        for key in batch:
+            cfg = seg._config_for(base, key)
+            assert cfg["training"]["device"] == "cuda" and cfg["model"]["name"] == "unetr"
+    seen.clear()
+    seg.main([*argv, "--out", str(out), "--runs-dir", str(tmp_path)])  # default: the config's
+    assert all("device" not in base["training"] for _, base in seen)
