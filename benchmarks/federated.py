@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from dpkfc_med.training.federated import run_federated
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", type=Path, default=ROOT / "configs/hippocampus_unet_3d_eps8.yaml")
+    p.add_argument(
+        "--config", type=Path, default=ROOT / "benchmarks/hippocampus_unet_3d_recipe_base.yaml"
+    )
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--local-epochs", type=int, default=4)

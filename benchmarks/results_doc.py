@@ -73,7 +73,7 @@ and profiles in `benchmarks/results/profiles/`; neither is shown here.
 - `dp-kfc` is the package default at the time of the run: A-only whitening, pink probes,
   low-rank A factor (`rank_a: 64`). `dp-kfc-dense` is the dense A factor (`rank_a: null`);
   every other variant states its overrides under "Method settings".
-- Segmentation: the CLI pipeline on `configs/hippocampus_unet_3d_eps8.yaml` with only the
+- Segmentation: the CLI pipeline on `benchmarks/hippocampus_unet_3d_recipe_base.yaml` with only the
   method, epsilon, learning rate and seed changed; each seed draws its own case split; the gap
   closed is (method - DP-SGD) / (non-private - DP-SGD) on the test mean Dice.
 - Cost: methods alternated in one process on the same model, batch and initialisation; memory

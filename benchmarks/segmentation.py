@@ -243,6 +243,10 @@ def _job(args: tuple[dict[str, Any], dict[str, Any], str, int]) -> dict[str, Any
     }
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _shipped_job(config: Path, runs_dir: Path, threads: int = 2) -> dict[str, Any]:
     """Train a shipped config as shipped, then evaluate it on a folder of its test cases."""
     import os
@@ -273,6 +277,7 @@ def _shipped_job(config: Path, runs_dir: Path, threads: int = 2) -> dict[str, An
     unseen = evaluate_run(run_dir, data=str(folder))
     return {
         "config": _display_path(config),
+        "config_sha256": _sha256(config),
         "epsilon_spent": res.epsilon,
         "minutes": minutes,
         "threads": threads,
@@ -588,10 +593,16 @@ def compact_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _lever_clip(lever: str | None) -> float:
+    """The clip-norm scale a lever itself sets (``"x0.25"``; 1 when it sets none)."""
+    clip = LEVERS.get(lever or "shipped", {}).get("privacy", {}).get("max_grad_norm")
+    return float(clip[1:]) if isinstance(clip, str) and clip.startswith("x") else 1.0
+
+
 def _clip_cell(base_clip: float | None, run: dict[str, Any]) -> str:
     if run["eps"] is None:
         return "-"
-    scale = _clip(run)
+    scale = _clip(run) * _lever_clip(run.get("lever"))
     return f"{base_clip * scale:g}" if base_clip is not None else f"x{scale:g}"
 
 
@@ -703,7 +714,8 @@ def summarize(data: dict[str, Any]) -> str:
             "folder (cases) | HD95 mm per class |",
             "|---|---|---|---|---|---|",
         ]
-        for name, r in data["shipped"].items():
+        earlier = [(r["config"] + " (earlier version)", r) for r in data.get("shipped_history", [])]
+        for name, r in [*data["shipped"].items(), *earlier]:
             u = r["unseen_folder"]
             hd95 = ", ".join(f"{k} {v:.2f}" for k, v in (u.get("hd95_per_class") or {}).items())
             lines.append(
@@ -926,7 +938,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", type=Path, default=ROOT / "configs/hippocampus_unet_3d_eps8.yaml")
+    p.add_argument(
+        "--config", type=Path, default=ROOT / "benchmarks/hippocampus_unet_3d_recipe_base.yaml"
+    )
     p.add_argument("--study", choices=("main", "levers", "best", "shipped"), default="main")
     p.add_argument(
         "--methods",
@@ -1080,8 +1094,11 @@ def main(argv: list[str] | None = None) -> int:
         data.setdefault("shipped", {})
         for eps in epsilons:
             config = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps:g}.yaml"
-            if _display_path(config) in data["shipped"]:
-                continue
+            old = data["shipped"].get(_display_path(config))
+            if old is not None and old.get("config_sha256", _sha256(config)) == _sha256(config):
+                continue  # this config as it is now was trained (records before digests: kept)
+            if old is not None:  # the config changed since: its earlier run goes to history
+                data.setdefault("shipped_history", []).append(old)
             rec = _shipped_job(config, args.runs_dir)
             data["shipped"][rec["config"]] = rec
             _save(out, data)

@@ -467,6 +467,17 @@ class KroneckerBlock:
             parts.append(m)
         return self.scale * torch.block_diag(*parts)
 
+    @property
+    def is_identity(self) -> bool:
+        """No factor at all: the transform is ``s I`` (DP-SGD's blocks)."""
+        return (
+            self.u_a is None
+            and self.u_g is None
+            and self.a_kron is None
+            and self.a_low is None
+            and self.u_elem is None
+        )
+
     def choose_path(self, b: int, t: int) -> str:
         """The cheaper way to form transformed per-sample gradients.
 

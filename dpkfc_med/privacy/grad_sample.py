@@ -8,7 +8,10 @@ transform of the per-sample gradient, whichever is cheaper; a ``conv_a="kron"`` 
 input's channels by ``U_C`` first), written straight into per-parameter buffers. Transposed
 convolutions transform per-sample gradients formed on their input grid. Layers without a
 block (:meth:`PreconditionedGradSampleModule.set_blocks`) use Opacus' own samplers unchanged,
-so DP-SGD through this module is bit-for-bit Opacus. Everything downstream (clipping, noise,
+so DP-SGD through this module is bit-for-bit Opacus, except for two kinds of convolution that
+get an identity block: those padding other than with zeros (Opacus' formula pads with zeros)
+and 3D convolutions with several input channels per group (the layer's own kernel is faster
+than Opacus' unfold; equal to float rounding). Everything downstream (clipping, noise,
 accounting) sees ordinary ``grad_sample`` tensors.
 """
 
@@ -189,9 +192,17 @@ def _preconditioned_sampler(
             return _ghost_sampler(
                 module, adapter, activations[0], backprops, ghost_block, kept, ghost[1]
             )
-    if block is None and isinstance(module, _CONVS) and module.padding_mode != "zeros":
-        # Opacus' conv formula unfolds with zero padding whatever the layer's padding_mode
-        # (reflect, replicate, circular): the adapter's rows pad as the layer does.
+    if (
+        block is None
+        and isinstance(module, _CONVS)
+        and (module.padding_mode != "zeros" or kernel_per_sample_wins(module))
+    ):
+        # An identity block, for two reasons. Opacus' conv formula unfolds with zero padding
+        # whatever the layer's padding_mode (reflect, replicate, circular): the adapter's rows
+        # pad as the layer does. And for 3D convolutions with several input channels per
+        # group the layer's own kernel forms the raw per-sample gradients several times
+        # faster than Opacus' unfold, which copies every sample's patches (equal to float
+        # rounding, no longer bit-for-bit Opacus').
         assert adapter is not None
         block = KroneckerBlock(name=type(module).__name__, module=module, adapter=adapter)
     if block is None:
@@ -229,7 +240,7 @@ def _preconditioned_sampler(
         if adapter.per_sample_grads is not None
         and kron is None
         and kernel_per_sample_wins(module)
-        and block.choose_path(b, positions) == "materialized"
+        and (block.is_identity or block.choose_path(b, positions) == "materialized")
         else None
     )
     raw_parts: list[Tensor] = []

@@ -158,7 +158,10 @@ class PrivacyConfig:
             every layer that has a row form -- Linear, ConvNd, attention projections -- and
             at most 4096 positions per sample) or
             ``per_sample`` (materialised per-sample gradients; DP-SGD is then bit-for-bit
-            Opacus). The clipped sum, the noise and the guarantee are the same in every mode.
+            Opacus unless the network has 3D or non-zero-padded convolutions, whose
+            per-sample gradients come from the layer's own kernel or padding, equal to float
+            rounding). The clipped sum, the noise and the guarantee are the same in every
+            mode.
     """
 
     target_epsilon: float = 1.0

@@ -270,3 +270,47 @@ def test_device_option_reaches_every_run_config(seg, tmp_path, monkeypatch):
     seen.clear()
     seg.main([*argv, "--out", str(out), "--runs-dir", str(tmp_path)])  # default: the config's
     assert all("device" not in base["training"] for _, base in seen)
+
+
+def test_clip_norm_cells_include_the_levers_own_clip_scale(seg):
+    run = _run("tune", "dp-kfc", 3.0, 0.03, 0, study="levers", lever="clip norm x0.25")
+    assert seg._clip_cell(0.5, run) == "0.125"
+    assert seg._clip_cell(0.5, {**run, "clip": 0.25}) == "0.03125"  # both scales apply
+    assert seg._clip_cell(0.5, {**run, "lever": "shipped"}) == "0.5"
+    assert seg._clip_cell(0.5, {**run, "eps": None}) == "-"
+
+
+def test_shipped_study_reruns_a_config_that_changed_and_keeps_the_earlier_run(
+    seg, tmp_path, monkeypatch
+):
+    import json
+
+    config = seg.ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
+    name = seg._display_path(config)
+    calls = []
+
+    def fake_job(path, runs_dir, threads=2):
+        calls.append(path)
+        unseen = {"mean_dice": 0.7, "n": 2, "not_dp": False, "hd95_per_class": {}}
+        return {
+            "config": seg._display_path(path),
+            "config_sha256": seg._sha256(path),
+            "epsilon_spent": 8.0,
+            "minutes": 1.0,
+            "test": {"mean_dice": 0.7},
+            "unseen_folder": unseen,
+        }
+
+    monkeypatch.setattr(seg, "_shipped_job", fake_job)
+    out = tmp_path / "out.json"
+    stale = {**fake_job(config, tmp_path), "config_sha256": "0" * 64}
+    calls.clear()
+    out.write_text(json.dumps({"runs": [], "shipped": {name: stale}}))
+    argv = ["--study", "shipped", "--epsilons", "8", "--out", str(out), "--runs-dir", str(tmp_path)]
+    seg.main(argv)
+    data = json.loads(out.read_text())
+    assert calls == [config] and data["shipped_history"] == [stale]
+    assert data["shipped"][name]["config_sha256"] == seg._sha256(config)
+    seg.main(argv)  # unchanged since: not trained again
+    assert calls == [config]
+    assert "(earlier version)" in out.with_suffix(".md").read_text()

@@ -475,6 +475,47 @@ def test_dp_sgd_per_sample_grads_of_padded_convs_match_autograd(mode, float64):
         torch.testing.assert_close(p.grad_sample, want, msg=name)
 
 
+def test_dp_sgd_per_sample_grads_of_3d_convs_come_from_the_kernel(float64, monkeypatch):
+    """DP-SGD's 3D convolutions with several input channels per group take their per-sample
+    gradients from the layer's own kernel (not Opacus' unfold) and equal brute-force autograd;
+    a 3D convolution on one input channel still goes through Opacus' formula."""
+    from dpkfc_med.privacy import grad_sample
+
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Conv3d(1, 4, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv3d(4, 4, 3, stride=2, padding=1, groups=2),
+        nn.Tanh(),
+        nn.Conv3d(4, 3, 3, padding=1, bias=False),
+        nn.Flatten(),
+        nn.Linear(3 * 3 * 3 * 3, 3),
+    )
+    plain = copy.deepcopy(model)
+    x = torch.randn(5, 1, 6, 6, 6)
+    y = torch.randint(0, 3, (5,))
+    opacus_conv3d = grad_sample._OPACUS_SAMPLERS[nn.Conv3d]
+    seen = []
+
+    def counted(module, activations, backprops):
+        seen.append(module.in_channels)
+        return opacus_conv3d(module, activations, backprops)
+
+    monkeypatch.setitem(grad_sample._OPACUS_SAMPLERS, nn.Conv3d, counted)
+    _, (pm, popt, _) = _engine("dp-sgd", model, x, y, loss_reduction="sum", clipping="per_sample")
+    popt.zero_grad()
+    F.cross_entropy(pm(x), y, reduction="sum").backward()
+    assert seen == [1]  # only the one-channel input layer used Opacus' unfold
+    for (name, p), twin in zip(model.named_parameters(), plain.parameters()):
+        want = torch.stack(
+            [
+                torch.autograd.grad(F.cross_entropy(plain(x[i : i + 1]), y[i : i + 1]), twin)[0]
+                for i in range(len(x))
+            ]
+        )
+        torch.testing.assert_close(p.grad_sample, want, msg=name)
+
+
 def test_empty_poisson_batch_is_a_pure_noise_step(float64):
     """Poisson sampling can draw no sample: every sampler copes and the step is noise only."""
     updates = {}
