@@ -46,6 +46,7 @@ DESCRIPTIONS = {
     "cost_cpu_conv_a_kron": "The same with the structured convolution factor (`preconditioner.conv_a: kron`).",
     "cost_cpu_densenet121_rank_a64": "DenseNet121 alone with the low-rank A factor (`rank_a: 64`).",
     "cost_cpu_transformers": "MONAI ViT (PneumoniaMNIST size) and UNETR (hippocampus crop) against Opacus, one CPU thread.",
+    "cost_cpu_unetr": "MONAI UNETR (hippocampus crop, batch 16, one CPU thread) against Opacus after DP-SGD's 3D convolutions moved to the layer's kernel (supersedes the UNETR rows of cost_cpu_transformers).",
     "cost_cpu_clipping": "Clipping modes (`privacy.clipping`: auto, ghost, per_sample) against Opacus' hook and ghost modes, on the three cost models.",
     "cost_cpu_clipping_densenet_vit": "The clipping modes on the DenseNet121 and the MONAI ViT, one CPU thread (supersedes the DenseNet121 rows of cost_cpu_clipping).",
     "cost_cpu_family_shampoo": "DP-KFC with the Shampoo family (`preconditioner.family: shampoo`) against Opacus' two modes, on the three cost models.",
