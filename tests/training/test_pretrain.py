@@ -112,24 +112,28 @@ def test_pretraining_is_recorded_in_the_report_and_validation_runs_every_k_epoch
 def test_shipped_hippocampus_configs_are_one_recipe_at_three_epsilons():
     """eps1/eps3/eps8 differ only in name, target epsilon and what the benchmark chose there.
 
-    The benchmark's choices per epsilon: method, learning rate, clip norm and pretraining
-    length (DP-SGD after 1000 pretraining steps at epsilon 3 and 1). Data, model, schedule,
-    batch, probes and preconditioner settings are one recipe.
+    The benchmark's choices per epsilon: method, learning rate, clip norm, pretraining
+    length, crops per patient and the preconditioner's scale rule (DP-KFC with the per-layer
+    raw-norm rule and two crops at epsilon 8 and 3, DP-SGD with one crop at epsilon 1). Data,
+    model, schedule, batch, probes and the other preconditioner settings are one recipe, and
+    the epsilon-8 and epsilon-3 configs differ only in name, target epsilon and learning rate.
     """
     import yaml
 
-    loaded = {}
+    loaded, rest = {}, {}
     for eps in (1, 3, 8):
         path = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps}.yaml"
         cfg = load_config(path)  # validates
         assert cfg.privacy.target_epsilon == float(eps) and cfg.name == path.stem
         raw = yaml.safe_load(path.read_text())
-        raw.pop("name"), raw.pop("method"), raw["training"].pop("lr")
-        raw["privacy"].pop("target_epsilon"), raw["privacy"].pop("max_grad_norm")
-        raw["pretrain"].pop("steps")
+        raw.pop("name"), raw["training"].pop("lr"), raw["privacy"].pop("target_epsilon")
+        rest[eps] = json.loads(json.dumps(raw))
+        raw.pop("method"), raw["privacy"].pop("max_grad_norm"), raw["pretrain"].pop("steps")
+        raw["data"].pop("patches_per_unit"), raw["preconditioner"].pop("scaling", None)
         loaded[eps] = raw
         assert cfg.data.patch_size and cfg.data.spacing and cfg.data.num_classes == 3
     assert loaded[1] == loaded[3] == loaded[8]
+    assert rest[3] == rest[8]
 
 
 def _pretrained(cfg, task):
