@@ -292,6 +292,16 @@ def _clip(key: dict[str, Any]) -> float:
     return float(key.get("clip", 1.0))
 
 
+def _lever_clip(lever: str | None) -> float:
+    """The clip-norm scale a lever itself sets (``"x0.25"``; 1 when it sets none)."""
+    clip = LEVERS.get(lever or "shipped", {}).get("privacy", {}).get("max_grad_norm")
+    if clip is None:
+        return 1.0
+    if not (isinstance(clip, str) and clip.startswith("x")):
+        raise ValueError(f"lever {lever!r}: max_grad_norm must be a scale like 'x0.25'")
+    return float(clip[1:])
+
+
 def _run_name(key: dict[str, Any]) -> str:
     tag = hashlib.sha256(key["lever"].encode()).hexdigest()[:8]
     lever = "" if key["lever"] == "shipped" else f"_lever{tag}"
@@ -312,9 +322,9 @@ def _dice(m: dict[str, Any]) -> dict[str, Any]:
 
 def _config_for(base: dict[str, Any], key: dict[str, Any]) -> dict[str, Any]:
     lever = json.loads(json.dumps(LEVERS[key["lever"]]))
-    clip = lever.get("privacy", {}).get("max_grad_norm")
-    if isinstance(clip, str) and clip.startswith("x"):
-        lever["privacy"]["max_grad_norm"] = base["privacy"]["max_grad_norm"] * float(clip[1:])
+    if isinstance(lever.get("privacy", {}).get("max_grad_norm"), str):
+        scale = _lever_clip(key["lever"])
+        lever["privacy"]["max_grad_norm"] = base["privacy"]["max_grad_norm"] * scale
     family = json.loads(json.dumps(FAMILIES.get(key["method"], {})))
     extra: dict[str, Any] = {
         **family,
@@ -591,12 +601,6 @@ def compact_table(data: dict[str, Any]) -> list[str]:
             cells.append(f"{m:.3f} +- {sd:.3f}{extra}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines
-
-
-def _lever_clip(lever: str | None) -> float:
-    """The clip-norm scale a lever itself sets (``"x0.25"``; 1 when it sets none)."""
-    clip = LEVERS.get(lever or "shipped", {}).get("privacy", {}).get("max_grad_norm")
-    return float(clip[1:]) if isinstance(clip, str) and clip.startswith("x") else 1.0
 
 
 def _clip_cell(base_clip: float | None, run: dict[str, Any]) -> str:
@@ -1094,8 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
         data.setdefault("shipped", {})
         for eps in epsilons:
             config = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps:g}.yaml"
-            old = data["shipped"].get(_display_path(config))
-            if old is not None and old.get("config_sha256", _sha256(config)) == _sha256(config):
+            old, digest = data["shipped"].get(_display_path(config)), _sha256(config)
+            if old is not None and old.get("config_sha256", digest) == digest:
                 continue  # this config as it is now was trained (records before digests: kept)
             if old is not None:  # the config changed since: its earlier run goes to history
                 data.setdefault("shipped_history", []).append(old)

@@ -108,14 +108,17 @@ def _rows_times(x: Tensor, u: Tensor | None) -> Tensor:
     return _grads_times(x, u)
 
 
+def grads_sq(raw_w: Tensor, raw_b: Tensor | None) -> Tensor:
+    """Squared per-sample norms ``[B]`` of per-sample weight (and bias) gradients."""
+    out = raw_w.pow(2).flatten(1).sum(1)
+    return out if raw_b is None else out + raw_b.pow(2).flatten(1).sum(1)
+
+
 def _raw_sq(a: Tensor, delta: Tensor, has_bias: bool, raw_w: Tensor | None = None) -> Tensor:
     """Squared per-sample norms ``[B]`` of untransformed gradients from rows and errors."""
     if raw_w is None:
         raw_w = delta.transpose(-1, -2) @ a
-    out = raw_w[: a.shape[0]].pow(2).flatten(1).sum(1)
-    if has_bias:
-        out = out + delta.sum(-2).pow(2).flatten(1).sum(1)
-    return out
+    return grads_sq(raw_w[: a.shape[0]], delta.sum(-2) if has_bias else None)
 
 
 def raw_norms_sq(block: KroneckerBlock, a: Tensor, delta: Tensor) -> Tensor:

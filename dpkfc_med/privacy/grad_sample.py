@@ -32,6 +32,7 @@ from dpkfc_med.curvature.adapters import (
     kernel_per_sample_wins,
     supported_layer_types,
 )
+from dpkfc_med.curvature.blocks import grads_sq
 from dpkfc_med.curvature.preconditioner import KroneckerBlock, raw_norms_sq
 from dpkfc_med.privacy.ghost import MAX_GHOST_POSITIONS, Clipping, GhostRows, ghost_path_wins
 from dpkfc_med.utils import check_choice
@@ -246,7 +247,7 @@ def _preconditioned_sampler(
     raw_parts: list[Tensor] = []
     for start in range(0, b, step):
         sl = slice(start, start + step)
-        xs, err, need = x[sl], adapter.error_rows(module, backprops[sl]), max(m - start, 0)
+        xs, need = x[sl], max(m - start, 0)
         n = xs.shape[0]
         outs = (
             w_out[sl].view(n, g, n_g, -1),
@@ -255,12 +256,10 @@ def _preconditioned_sampler(
         if kernel is not None:
             raw_w, raw_b = kernel(module, xs, backprops[sl])
             if need:
-                kernel_sq = raw_w[:need].pow(2).flatten(1).sum(1)
-                if raw_b is not None:
-                    kernel_sq = kernel_sq + raw_b[:need].pow(2).flatten(1).sum(1)
-                raw_parts.append(kernel_sq)
+                raw_parts.append(grads_sq(raw_w[:need], None if raw_b is None else raw_b[:need]))
             block.transform_raw(raw_w, raw_b, outs)
             continue
+        err = adapter.error_rows(module, backprops[sl])
         if kron is not None:
             # kron U_A: U_C on the input channels, then Opacus-sized products and U_K
             rows = adapter.rows(module, kron.mix_channels(xs))
