@@ -161,6 +161,76 @@ LEVERS: dict[str, dict[str, Any]] = {
         "preconditioner": {"scaling": "per_layer_raw"},
         "privacy": {"max_grad_norm": "x0.25"},
     },
+    # below epsilon 8 whitening inside a layer spreads a unit's clipped norm over directions
+    # where units disagree (per-layer SNR below DP-SGD's in every hidden layer at epsilon 1):
+    # relative damping 1.0 keeps the directions above the mean eigenvalue whitened and leaves
+    # the rest nearly as DP-SGD has them
+    "combined, with the per-layer raw-norm scale rule and milder preconditioning (damping_a "
+    "and damping_g 1.0), at clip norm x0.25": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "preconditioner": {"scaling": "per_layer_raw", "damping_a": 1.0, "damping_g": 1.0},
+        "privacy": {"max_grad_norm": "x0.25"},
+    },
+    "combined, with the per-layer raw-norm scale rule and the Shampoo family, at clip norm x0.25": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "preconditioner": {"scaling": "per_layer_raw", "family": "shampoo"},
+        "privacy": {"max_grad_norm": "x0.25"},
+    },
+    # the step count and batch size on each method's best recipe (DP-SGD's combined lever at
+    # its tuned clip norm; DP-KFC's per-layer raw-norm recipe), the same change for both
+    "combined at each method's tuned clip norm, 20 epochs (half the steps, less noise per step)": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "training": {"epochs": 20},
+    },
+    "combined, with the per-layer raw-norm scale rule, at clip norm x0.25, 20 epochs (half "
+    "the steps, less noise per step)": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "preconditioner": {"scaling": "per_layer_raw"},
+        "privacy": {"max_grad_norm": "x0.25"},
+        "training": {"epochs": 20},
+    },
+    "combined at each method's tuned clip norm, expected batch 128 (half the steps, each "
+    "with twice the patients)": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "training": {"batch_size": 128},
+    },
+    "combined, with the per-layer raw-norm scale rule, at clip norm x0.25, expected batch 128 "
+    "(half the steps, each with twice the patients)": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "preconditioner": {"scaling": "per_layer_raw"},
+        "privacy": {"max_grad_norm": "x0.25"},
+        "training": {"batch_size": 128},
+    },
+    # the damping path from DP-KFC to DP-SGD (relative damping 10: every direction nearly as
+    # DP-SGD has it, the per-layer raw-norm rule keeping DP-SGD's split between layers)
+    "combined, with the per-layer raw-norm scale rule and weak preconditioning (damping_a "
+    "and damping_g 10), at clip norm x0.25": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "preconditioner": {"scaling": "per_layer_raw", "damping_a": 10.0, "damping_g": 10.0},
+        "privacy": {"max_grad_norm": "x0.25"},
+    },
+    # normalisation: the UNet's instance norm (no affine) against GroupNorm with 4 groups
+    # (affine, channels share statistics), on each method's best recipe
+    "combined at each method's tuned clip norm, GroupNorm 4 groups instead of instance norm": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "model": {"kwargs": {"norm": ["group", {"num_groups": 4}]}},
+    },
+    "combined, with the per-layer raw-norm scale rule, at clip norm x0.25, GroupNorm 4 groups "
+    "instead of instance norm": {
+        "pretrain": {"steps": 1000},
+        "data": {"patches_per_unit": 2},
+        "model": {"kwargs": {"norm": ["group", {"num_groups": 4}]}},
+        "preconditioner": {"scaling": "per_layer_raw"},
+        "privacy": {"max_grad_norm": "x0.25"},
+    },
 }
 # Levers run at each method's (learning rate, clip norm) chosen in the main study; the others
 # at its learning rate chosen at the config's clip norm.
@@ -169,6 +239,10 @@ TUNED_CLIP_LEVERS = (
     "data-free pretraining 3000 steps at each method's tuned clip norm",
     "combined: pretraining 1000 steps + 2 random crops per patient, at each method's tuned "
     "clip norm",
+    "combined at each method's tuned clip norm, 20 epochs (half the steps, less noise per step)",
+    "combined at each method's tuned clip norm, expected batch 128 (half the steps, each "
+    "with twice the patients)",
+    "combined at each method's tuned clip norm, GroupNorm 4 groups instead of instance norm",
 )
 LEVER_METHODS = {
     "K-FAC A only (no G factor)": ("dp-kfc",),
@@ -190,6 +264,27 @@ LEVER_METHODS = {
     "natural-gradient step (P applied again to the privatized update)": ("dp-kfc",),
     "combined, with the per-layer scale rule keeping each layer's unpreconditioned norm, at "
     "clip norm x0.25": ("dp-kfc",),
+    "combined, with the per-layer raw-norm scale rule and milder preconditioning (damping_a "
+    "and damping_g 1.0), at clip norm x0.25": ("dp-kfc",),
+    "combined, with the per-layer raw-norm scale rule and the Shampoo family, at clip norm x0.25": (
+        "dp-kfc",
+    ),
+    "combined at each method's tuned clip norm, 20 epochs (half the steps, less noise per step)": (
+        "dp-sgd",
+    ),
+    "combined, with the per-layer raw-norm scale rule, at clip norm x0.25, 20 epochs (half "
+    "the steps, less noise per step)": ("dp-kfc",),
+    "combined at each method's tuned clip norm, expected batch 128 (half the steps, each "
+    "with twice the patients)": ("dp-sgd",),
+    "combined, with the per-layer raw-norm scale rule, at clip norm x0.25, expected batch 128 "
+    "(half the steps, each with twice the patients)": ("dp-kfc",),
+    "combined, with the per-layer raw-norm scale rule and weak preconditioning (damping_a "
+    "and damping_g 10), at clip norm x0.25": ("dp-kfc",),
+    "combined at each method's tuned clip norm, GroupNorm 4 groups instead of instance norm": (
+        "dp-sgd",
+    ),
+    "combined, with the per-layer raw-norm scale rule, at clip norm x0.25, GroupNorm 4 groups "
+    "instead of instance norm": ("dp-kfc",),
 }
 
 
