@@ -34,7 +34,8 @@ on the evaluation seeds (the same rule for every method).
 Shipped study: each ``configs/hippocampus_unet_3d_eps{8,3,1}.yaml`` trained exactly as shipped
 with the CLI's settings (noise from OS entropy, two torch threads, seed 0's split), timed, then
 evaluated with ``dpkfc-med evaluate RUN --data FOLDER`` on a folder holding only the run's
-test cases (cases it has never seen).
+test cases (cases it has never seen). A config is trained again when its SHA-256 differs from
+the one its recorded run carries; the earlier run stays in the results as "earlier version".
 Tuning and selection look at private validation data and are NOT covered by the reported
 epsilon. Benchmark runs seed the noise (``privacy.reproducible_noise``) so that every method
 sees the same batches and noise per seed; shipped runs draw it from OS entropy.
@@ -1169,9 +1170,9 @@ def main(argv: list[str] | None = None) -> int:
         for eps in epsilons:
             config = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps:g}.yaml"
             old, digest = data["shipped"].get(_display_path(config)), _sha256(config)
-            if old is not None and old.get("config_sha256", digest) == digest:
-                continue  # this config as it is now was trained (records before digests: kept)
-            if old is not None:  # the config changed since: its earlier run goes to history
+            if old is not None and old.get("config_sha256") == digest:
+                continue  # this config as it is now was trained
+            if old is not None:  # changed since (or not recorded): its earlier run goes to history
                 data.setdefault("shipped_history", []).append(old)
             rec = _shipped_job(config, args.runs_dir)
             data["shipped"][rec["config"]] = rec
