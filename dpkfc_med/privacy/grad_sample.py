@@ -12,7 +12,9 @@ so DP-SGD through this module is bit-for-bit Opacus, except for two kinds of con
 get an identity block: those padding other than with zeros (Opacus' formula pads with zeros)
 and 3D convolutions with several input channels per group (the layer's own kernel is faster
 than Opacus' unfold; equal to float rounding). Everything downstream (clipping, noise,
-accounting) sees ordinary ``grad_sample`` tensors.
+accounting) sees ordinary ``grad_sample`` tensors. Autograd does not form the batch gradient
+of Linear and (transposed) convolution layers while the hooks capture: the optimizer never
+reads it (see :func:`_detach_parameters`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from dpkfc_med.curvature.adapters import (
     LayerAdapter,
@@ -320,6 +323,66 @@ def _adopt_fresh(
     return rest
 
 
+_DETACHED_TYPES = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+"""Layer types whose ``forward`` reads only ``self.weight`` and ``self.bias`` (so a detached
+copy of both is the same layer to every other part of the pass)."""
+
+_STASH = "_dpkfc_params_in_forward"
+
+
+def _detach_parameters(gsm: PreconditionedGradSampleModule, module: nn.Module) -> list[Any]:
+    """Forward hooks that keep autograd from forming ``module``'s batch gradient.
+
+    Under DP training the batch gradient that autograd accumulates into ``p.grad`` during
+    ``backward()`` is never used: the optimizer replaces it with the clipped, noised sum of
+    the per-sample gradients, which the backward hooks form from the layer's input and
+    output error alone. Forming it costs a weight-gradient product per layer (for a
+    convolution about a third of its backward pass) and leaves the un-noised private sum in
+    ``p.grad`` until the step. While the hooks capture, a layer whose input requires grad
+    runs its forward on detached views of its trainable parameters (same storage, same
+    values), and its parameters are put back before any other forward hook sees the layer
+    (also when the forward raises). The output error, and so every per-sample gradient, is
+    unchanged. A layer whose input needs no gradient (a network's first layer) keeps its
+    parameters attached: its output error exists only through them.
+    """
+
+    def swap(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if not (
+            gsm.hooks_enabled
+            and torch.is_grad_enabled()
+            and mod.training
+            and isinstance(x, Tensor)
+            and x.requires_grad
+        ):
+            return
+        kept = {}
+        for name, p in mod._parameters.items():
+            if p is not None and p.requires_grad:
+                kept[name] = p
+                mod._parameters[name] = p.detach()  # type: ignore[assignment]
+        mod.__dict__[_STASH] = kept
+
+    def restore(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        kept = mod.__dict__.pop(_STASH, None)
+        if kept:
+            mod._parameters.update(kept)
+
+    return [
+        module.register_forward_pre_hook(swap),
+        # first among the forward hooks, so Opacus' capture sees the real parameters
+        module.register_forward_hook(restore, prepend=True, always_call=True),
+    ]
+
+
 class PreconditionedGradSampleModule(GradSampleModule):
     """Opacus ``GradSampleModule`` with preconditioned grad samplers for covered layers.
 
@@ -406,6 +469,11 @@ class PreconditionedGradSampleModule(GradSampleModule):
                 if any(p.requires_grad for p in m.parameters(recurse=False)):
                     prepare_layer(m)
         super().add_hooks(*args, **kwargs)
+        # Opacus removes every handle in this list in remove_hooks()
+        handles = self._module.autograd_grad_sample_hooks
+        for m in self._module.modules():
+            if type(m) in _DETACHED_TYPES and not parametrize.is_parametrized(m):
+                handles.extend(_detach_parameters(self, m))
 
     def disable_hooks(self) -> None:
         """Stop capturing (used during probe passes, which must not touch ``grad_sample``)."""

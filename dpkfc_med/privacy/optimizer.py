@@ -406,7 +406,12 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         The second product only post-processes the privatized average (see
         :attr:`PreconditionerConfig.step`).
         """
-        super().scale_grad()
+        if self.loss_reduction == "mean":
+            # Opacus' division, with the divisor read once (Opacus re-counts the accumulated
+            # passes over every parameter for every parameter: quadratic in their number)
+            divisor = self.expected_batch_size * self.accumulated_iterations
+            for p in self.params:
+                p.grad /= divisor
         pre = self.preconditioner
         if pre is not None and pre.config.step == "natural":
             pre.precondition_update(self.params)

@@ -689,3 +689,53 @@ def test_fresh_per_sample_gradients_are_adopted_without_a_copy():
     other = nn.Linear(3, 2)
     other.max_batch_len = 5  # type: ignore[assignment]
     assert list(_adopt_fresh(other, {other.weight: fresh}, [x, dy])) == [other.weight]
+
+
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
+def test_backward_forms_no_private_batch_gradient_for_hooked_layers(method, float64, monkeypatch):
+    """Under DP training autograd does not accumulate the un-noised batch gradient of a
+    Linear/conv layer whose input needs a gradient, and the per-sample gradients are those
+    of the same run with every parameter attached."""
+    import dpkfc_med.privacy.grad_sample as gs
+
+    torch.manual_seed(0)
+    base = tiny_cnn_2d()
+    x, y = _data()
+
+    def per_sample(detach: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        if not detach:
+            monkeypatch.setattr(gs, "_detach_parameters", lambda gsm, m: [])
+        _, (pm, popt, _) = _engine(method, copy.deepcopy(base), x, y, seed=11)
+        popt.zero_grad()
+        F.cross_entropy(pm(x[:20]), y[:20]).backward()
+        monkeypatch.undo()
+        return pm, {n: p.grad_sample for n, p in pm._module.named_parameters()}
+
+    pm, ours = per_sample(True)
+    _, attached = per_sample(False)
+    for n, g in ours.items():
+        torch.testing.assert_close(g, attached[n], rtol=1e-12, atol=1e-14)
+    layers = [m for m in pm._module.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert layers[0].weight.grad is not None  # its input needs no gradient: kept attached
+    for m in layers[1:]:
+        assert all(p.grad is None for p in m.parameters())
+        assert all(isinstance(p, nn.Parameter) for p in m.parameters())  # put back
+    # hooks off (probe passes): ordinary autograd again
+    pm.disable_hooks()
+    F.cross_entropy(pm(x[:4]), y[:4]).backward()
+    assert all(p.grad is not None for m in layers for p in m.parameters())
+
+
+def test_detached_parameters_are_put_back_when_the_forward_raises():
+    from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    gsm = PreconditionedGradSampleModule(model)
+    weight = model[0].weight
+    x = torch.randn(5, 3, requires_grad=True)
+    with pytest.raises(RuntimeError):
+        gsm(x[:, :2])  # wrong width: the first layer raises inside its forward
+    assert model[0].weight is weight
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    gsm(x).sum().backward()  # and the layer works as before
+    assert weight.grad is None and weight.grad_sample.shape == (5, 4, 3)
