@@ -1368,7 +1368,11 @@ def _model_markdown(mr: dict[str, Any]) -> list[str]:
             f"per-sample gradients {raw / 1e6:.1f} M (DP-SGD computes these too), DP-KFC "
             f"transform {extra / 1e6:.1f} M ({extra / max(raw, 1):.2f}x the per-sample gradients); "
             f"largest transform: `{top['layer']}` ({top['type']}) {top['transform'] / 1e6:.1f} M "
-            f"vs {top['raw'] / 1e6:.1f} M for its per-sample gradient.",
+            f"vs {top['raw'] / 1e6:.1f} M for its per-sample gradient. A layer's per-sample "
+            "gradients cost what its forward pass does, so the non-private forward and backward "
+            f"of these layers is about {3 * raw / 1e6:.1f} M: the transform alone puts dp-kfc at "
+            f"no less than {1 + extra / max(3 * raw, 1):.2f}x non-private time at equal "
+            "arithmetic speed.",
             "",
         ]
     share = am["share_at_default_period"] if am else None
