@@ -48,7 +48,7 @@ DESCRIPTIONS = {
     "cost_cpu_transformers": "MONAI ViT (PneumoniaMNIST size) and UNETR (hippocampus crop) against Opacus, one CPU thread.",
     "cost_cpu_unetr": "MONAI UNETR (hippocampus crop, batch 16, one CPU thread) against Opacus after DP-SGD's 3D convolutions moved to the layer's kernel (supersedes the UNETR rows of cost_cpu_transformers).",
     "cost_cpu_clipping": "Clipping modes (`privacy.clipping`: auto, ghost, per_sample) against Opacus' hook and ghost modes, on the three cost models.",
-    "cost_cpu_clipping_densenet_vit": "The clipping modes on the DenseNet121 and the MONAI ViT, one CPU thread (supersedes the DenseNet121 rows of cost_cpu_clipping).",
+    "cost_cpu_clipping_densenet_vit": "The clipping modes on the DenseNet121 (a second, shorter run) and the MONAI ViT.",
     "cost_cpu_family_shampoo": "DP-KFC with the Shampoo family (`preconditioner.family: shampoo`) against Opacus' two modes, on the three cost models.",
     "cost_cpu_family_diagonal": "DP-KFC with the diagonal family (`preconditioner.family: diagonal`) against Opacus' two modes, on the three cost models.",
     "cost_cpu_quick": "The quick mode (small batches and inputs) used as a smoke test.",
