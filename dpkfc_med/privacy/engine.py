@@ -280,12 +280,11 @@ class PrivacyEngine:
             ledger_path: keep the ledger in this JSON file (written before each update).
             diagnostics: record per-step clipping diagnostics.
             clipping: how per-unit norms are computed (:class:`~dpkfc_med.privacy.ghost.
-                Clipping`): ``"per_sample"`` (materialised per-sample gradients; DP-SGD is
-                then bit-for-bit Opacus unless the network has 3D or non-zero-padded
-                convolutions), ``"ghost"`` (ghost norms on the transformed rows of
-                every layer that has them) or ``"auto"`` (per layer, whichever costs fewer
-                multiply-adds by the layer's shapes). The clipped sum, the noise and the
-                guarantee are the same in every mode.
+                Clipping`): ``"per_sample"`` (materialised per-sample gradients; DP-SGD's
+                then equal Opacus' to float rounding), ``"ghost"`` (ghost norms on the
+                transformed rows of every layer that has them) or ``"auto"`` (per layer,
+                whichever costs fewer multiply-adds by the layer's shapes). The clipped sum,
+                the noise and the guarantee are the same in every mode.
 
         Returns:
             ``(private_module, private_optimizer, poisson_loader)``.

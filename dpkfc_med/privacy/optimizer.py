@@ -259,7 +259,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             norms = torch.zeros(0)
         else:
             # Same arithmetic as Opacus (per-parameter norms, then their norm), so DP-SGD
-            # through this optimizer is bit-for-bit Opacus.
+            # through this optimizer is Opacus' step on the same per-sample gradients.
             device = next(g for g in [*grads, *ghost_sq.values()] if g is not None).device
             per_param = torch.stack(
                 [

@@ -157,11 +157,10 @@ class PrivacyConfig:
             per-sample gradient, judged from the layer's shapes), ``ghost`` (ghost norms for
             every layer that has a row form -- Linear, ConvNd, attention projections -- and
             at most 4096 positions per sample) or
-            ``per_sample`` (materialised per-sample gradients; DP-SGD is then bit-for-bit
-            Opacus unless the network has 3D or non-zero-padded convolutions, whose
-            per-sample gradients come from the layer's own kernel or padding, equal to float
-            rounding). The clipped sum, the noise and the guarantee are the same in every
-            mode.
+            ``per_sample`` (materialised per-sample gradients; DP-SGD's then equal Opacus'
+            to float rounding: Opacus' formulas for Linear and normalisation layers, the
+            layer adapter's rows or the layer's own kernel for convolutions). The clipped
+            sum, the noise and the guarantee are the same in every mode.
     """
 
     target_epsilon: float = 1.0

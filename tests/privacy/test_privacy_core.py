@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -69,12 +70,29 @@ def _opacus_step(model, x, y):
     _one_step(om, oopt, x[:20], y[:20])
 
 
-def test_dp_sgd_step_equals_opacus_bitwise():
+def test_dp_sgd_step_equals_opacus(float64):
+    """Convolutions' per-sample gradients come from the layer adapter: Opacus' to rounding."""
     torch.manual_seed(0)
     base = tiny_cnn_2d()
     x, y = _data()
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     _, (pm, popt, _) = _engine("dp-sgd", ours, x, y, seed=11)
+    _one_step(pm, popt, x[:20], y[:20])
+    _opacus_step(theirs, x, y)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_dp_sgd_step_of_linear_and_norm_layers_equals_opacus_bitwise():
+    """Linear and normalisation layers keep Opacus' own formulas: the step is Opacus' bit for
+    bit."""
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 16), nn.GroupNorm(4, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+    x, y = _data()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    _, (pm, popt, _) = _engine("dp-sgd", ours, x, y, seed=11, clipping="per_sample")
     _one_step(pm, popt, x[:20], y[:20])
     _opacus_step(theirs, x, y)
     for p, q in zip(ours.parameters(), theirs.parameters()):
@@ -478,7 +496,8 @@ def test_dp_sgd_per_sample_grads_of_padded_convs_match_autograd(mode, float64):
 def test_dp_sgd_per_sample_grads_of_3d_convs_come_from_the_kernel(float64, monkeypatch):
     """DP-SGD's 3D convolutions with several input channels per group take their per-sample
     gradients from the layer's own kernel (not Opacus' unfold) and equal brute-force autograd;
-    a 3D convolution on one input channel still goes through Opacus' formula."""
+    a 3D convolution on one input channel takes the adapter's rows, and no convolution goes
+    through Opacus' formula."""
     from dpkfc_med.privacy import grad_sample
 
     torch.manual_seed(5)
@@ -501,11 +520,27 @@ def test_dp_sgd_per_sample_grads_of_3d_convs_come_from_the_kernel(float64, monke
         seen.append(module.in_channels)
         return opacus_conv3d(module, activations, backprops)
 
+    kernel_seen = []
+    adapter_for = grad_sample.adapter_for
+
+    def spying(module):  # the layer kernel's per-sample gradients, counted
+        ad = adapter_for(module)
+        if ad is None or ad.per_sample_grads is None:
+            return ad
+
+        def spy(mod, xs, dy, kernel=ad.per_sample_grads):
+            kernel_seen.append(mod.in_channels // mod.groups)
+            return kernel(mod, xs, dy)
+
+        return dataclasses.replace(ad, per_sample_grads=spy)
+
     monkeypatch.setitem(grad_sample._OPACUS_SAMPLERS, nn.Conv3d, counted)
+    monkeypatch.setattr(grad_sample, "adapter_for", spying)
     _, (pm, popt, _) = _engine("dp-sgd", model, x, y, loss_reduction="sum", clipping="per_sample")
     popt.zero_grad()
     F.cross_entropy(pm(x), y, reduction="sum").backward()
-    assert seen == [1]  # only the one-channel input layer used Opacus' unfold
+    assert seen == []  # no convolution used Opacus' unfold
+    assert sorted(kernel_seen) == [2, 4]  # the kernel for the several-channel layers only
     for (name, p), twin in zip(model.named_parameters(), plain.parameters()):
         want = torch.stack(
             [
