@@ -202,10 +202,9 @@ def _preconditioned_sampler(
         # padding_mode (reflect, replicate, circular); the adapter's rows pad as the layer
         # does. Its position-major unfold copies every sample's patches (a 1x1 convolution's
         # input too), where the adapter's channel-first rows are a view for 1x1 kernels and
-        # a faster copy otherwise (a DP-SGD step of the DenseNet121 cost case about 10 %
-        # faster). And for 3D convolutions with several input channels per group the
-        # layer's own kernel forms the raw per-sample gradients several times faster still.
-        # Equal to Opacus' per-sample gradients to float rounding.
+        # a faster copy otherwise (docs/privacy.md, clipping). And for 3D convolutions with
+        # several input channels per group the layer's own kernel forms the raw per-sample
+        # gradients several times faster still. Equal to Opacus' to float rounding.
         assert adapter is not None
         block = KroneckerBlock(name=type(module).__name__, module=module, adapter=adapter)
     if block is None:
@@ -343,14 +342,13 @@ def _detach_parameters(gsm: PreconditionedGradSampleModule, module: nn.Module) -
     Under DP training the batch gradient that autograd accumulates into ``p.grad`` during
     ``backward()`` is never used: the optimizer replaces it with the clipped, noised sum of
     the per-sample gradients, which the backward hooks form from the layer's input and
-    output error alone. Forming it costs a weight-gradient product per layer (for a
-    convolution about a third of its backward pass) and leaves the un-noised private sum in
-    ``p.grad`` until the step. While the hooks capture, a layer whose input requires grad
-    runs its forward on detached views of its trainable parameters (same storage, same
-    values), and its parameters are put back before any other forward hook sees the layer
-    (also when the forward raises). The output error, and so every per-sample gradient, is
-    unchanged. A layer whose input needs no gradient (a network's first layer) keeps its
-    parameters attached: its output error exists only through them.
+    output error alone. Forming it costs a weight-gradient product per layer and leaves the
+    un-noised private sum in ``p.grad`` until the step. While the hooks capture, a layer whose
+    input requires grad runs its forward on detached views of its trainable parameters (same
+    storage, same values), and its parameters are put back before any other forward hook sees
+    the layer (also when the forward raises). The output error, and so every per-sample
+    gradient, is unchanged. A layer whose input needs no gradient (a network's first layer)
+    keeps its parameters attached: its output error exists only through them.
     """
 
     def swap(mod: nn.Module, args: tuple[Any, ...]) -> None:
