@@ -88,6 +88,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "parameters (default 5000)",
     )
     a.add_argument("--confidence", type=float, help="confidence of the lower bound (default 0.95)")
+    a.add_argument(
+        "--noise-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="RESEARCH ONLY, for testing the audit; the run is not DP: multiplies the noise "
+        "drawn (the accountant still counts the configured noise) so that a value below 1 "
+        "makes a broken mechanism the audit should refute; recorded in audit.json",
+    )
     e = sub.add_parser(
         "evaluate",
         help="metrics of a trained run on a MedMNIST file / NIfTI folder of the same task",
@@ -132,7 +141,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_run_options(p: argparse.ArgumentParser, *, out_help: str) -> None:
     """The config argument and the overrides shared by ``train`` and ``audit``."""
-    p.add_argument("config", help="YAML run configuration")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="YAML run configuration (train --resume --out DIR: optional, the run's own)",
+    )
     p.add_argument(
         "--data", help="private data: MedMNIST .npz / flag, or NIfTI folder (overrides data.path)"
     )
@@ -161,6 +174,21 @@ def _load_run_config(args: argparse.Namespace) -> Any:
     """The config of ``args.config`` with the command-line overrides applied and validated."""
     from dpkfc_med.training.config import load_config
 
+    if args.config is None:
+        from pathlib import Path
+
+        from dpkfc_med.training.config import ConfigError
+
+        own = Path(args.out or "") / "config.yaml" if args.out else None
+        if not (getattr(args, "resume", False) and own is not None and own.is_file()):
+            raise ConfigError(
+                [
+                    "CONFIG: required (a YAML run configuration); to continue a stopped run "
+                    "with its own configuration: dpkfc-med train --resume --out RUN_DIR"
+                    + (f" ({own} not found)" if own is not None else "")
+                ]
+            )
+        args.config = str(own)  # the run's own stored configuration, overrides on top
     overrides = list(args.set)
     if args.data:
         overrides.append(f"data.path={args.data}")
@@ -219,7 +247,13 @@ def _audit(args: argparse.Namespace) -> int:
     from dpkfc_med.training.audit import AUDIT_FILE, format_audit, run_audit
 
     cfg = _load_run_config(args)
-    run = run_audit(cfg, out=args.out, canaries=args.canaries, confidence=args.confidence)
+    run = run_audit(
+        cfg,
+        out=args.out,
+        canaries=args.canaries,
+        confidence=args.confidence,
+        noise_scale=args.noise_scale,
+    )
     print(f"audit run: {run.run_dir} (its model includes the canaries: not a release)")
     print(format_audit(run.audit))
     print(f"audit: {run.run_dir / AUDIT_FILE}")

@@ -79,7 +79,11 @@ def public_proxy(
     from dpkfc_med.data import load_medmnist, resolve_data_path
     from dpkfc_med.training.tasks import PublicProbeSource
 
-    priv = None if private is None else load_medmnist(resolve_data_path(str(private)))
+    priv = (
+        None
+        if private is None
+        else load_medmnist(resolve_data_path(str(private)), infer_classes=True)
+    )
     return PublicProbeSource(
         str(path),
         spatial_shape=tuple(int(s) for s in spatial_shape),

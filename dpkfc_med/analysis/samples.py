@@ -60,7 +60,7 @@ def medmnist_sample(
     Returns:
         :class:`RealSample` with labels ``[N]``.
     """
-    data = load_medmnist(resolve_data_path(str(path)))
+    data = load_medmnist(resolve_data_path(str(path)), infer_classes=True)  # exploration
     ds = data.subset(split, num, seed=seed)
     nd = data.spatial_dims
     sp = (

@@ -39,6 +39,7 @@ from dpkfc_med.bundle.metadata import (
 )
 from dpkfc_med.bundle.network import network_definition
 from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.writer import REPORT_FILES
 from dpkfc_med.utils import atomic_write_bytes
 
@@ -205,7 +206,7 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
         lines += [
             f"- guarantee: {dp['guarantee']}",
             f"- epsilon spent at delta {dp['delta']:g}: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in spent.items())
+            + ", ".join(f"{k} {format_epsilon(v)}" for k, v in spent.items())
             + f" (target {dp['epsilon_target']:g}, accountant {dp['accountant']})",
             f"- unit of privacy: {dp['unit_of_privacy']}; sampler {dp['sampler']} at rate "
             f"{dp['sample_rate']:.4g}; noise multiplier {dp['noise_multiplier']:.4g}; clip norm "

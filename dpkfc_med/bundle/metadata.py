@@ -86,6 +86,8 @@ DP_KEYS: tuple[str, ...] = (
 """Keys of the ``differential_privacy`` block (this package's contract, checked by tests)."""
 
 NO_GUARANTEE = "NO PRIVACY GUARANTEE"
+NOT_VALID = "NOT A VALID DP RELEASE"
+NOT_STATED = "not stated (set data.modality / data.source in the run config)"
 UNTRAINED = "filled in by `dpkfc-med bundle export`"
 """What the spent values of a pipeline that has not been trained yet say."""
 
@@ -338,10 +340,20 @@ def bundle_metadata(
 
     seg = task["kind"] == "segmentation"
     names = list(task.get("label_names") or [])
-    data_name = Path(str(cfg.data.path)).name
+    # nothing shareable may come from a path (folder names can name projects, wards, people):
+    # the modality and the data source are what the user states in the config
+    modality = getattr(cfg.data, "modality", None) or NOT_STATED
+    source = getattr(cfg.data, "source", None) or NOT_STATED
     private = bool(dp.get("private"))
+    replayable = private and not dp.get("valid_dp_release", True)
     loud = "" if private else f"{NO_GUARANTEE} (non-private training). "
-    if private:
+    if replayable:
+        loud = f"{NOT_VALID} (replayable noise; research use only). "
+        eps_words = (
+            "a differential-privacy mechanism whose noise and sampling were seeded from a "
+            "published seed, so no privacy guarantee holds"
+        )
+    elif private:
         delta = dp["delta"]
         delta_words = f"{delta:g}" if isinstance(delta, float) else "min(1e-5, 1/N)"
         eps_words = (
@@ -367,17 +379,18 @@ def bundle_metadata(
         "changelog": {bundle_version: changelog},
         **versions(),
         "required_packages_version": packages,
+        "optional_packages_version": {},
         "task": f"{loud}{kind} ({cfg.model.name}) trained with {eps_words}",
         "description": (
-            f"{loud}{what} Network {cfg.model.name} on {data_name} "
-            f"({cfg.data.task}), trained by dpkfc-med with {eps_words}. The privacy "
+            f"{loud}{what} Network {cfg.model.name} for {cfg.data.task} (modality: "
+            f"{modality}; data: {source}), trained by dpkfc-med with {eps_words}. The privacy "
             "guarantee, its unit and what it does not cover are in "
             "`differential_privacy` and docs/privacy_report.md."
         ),
         "authors": "dpkfc-med (differentially private training of MONAI models)",
         "copyright": "Copyright (c) the dpkfc-med authors; the training data is the data "
         "custodian's",
-        "data_source": data_name,
+        "data_source": source,
         "data_type": "nibabel" if seg else "numpy (MedMNIST .npz)",
         "image_classes": "single-channel image, intensities z-scored per volume"
         if seg
@@ -386,13 +399,17 @@ def bundle_metadata(
         "pred_classes": ", ".join(f"{i}: {n}" for i, n in enumerate(names)),
         "intended_use": (
             "Research on differentially private medical imaging; not for clinical use."
-            + ("" if private else f" {NO_GUARANTEE}: do not release as a private model.")
+            + (
+                f" {NO_GUARANTEE}: do not release as a private model."
+                if not private or replayable
+                else ""
+            )
         ),
         "references": [
             "Abadi et al., Deep Learning with Differential Privacy, CCS 2016",
             "Martens & Grosse, Optimizing Neural Networks with Kronecker-factored Approximate "
             "Curvature, ICML 2015",
         ],
-        "network_data_format": network_data_format(task, modality=data_name),
+        "network_data_format": network_data_format(task, modality=modality),
         "differential_privacy": dict(dp),
     }

@@ -6,10 +6,13 @@ A MedMNIST archive holds ``{split}_images`` and ``{split}_labels`` for the split
 matches a MedMNIST flag. An optional ``{split}_unit_ids`` array gives each image's patient id
 (the privacy unit; :mod:`dpkfc_med.data.units`).
 
-Classes: labels must lie in ``0..num_classes-1`` of the declared classes (``num_classes=`` or
-the ``medmnist.INFO`` entry). Without a declaration the task has ``max(label) + 1`` classes, and
-labels that skip a class no split uses (0, 1 and 5 in a binary file) are refused rather than
-read as extra classes.
+Classes: labels must lie in ``0..num_classes-1`` of the declared classes: ``num_classes=``, the
+``medmnist.INFO`` entry of the file's flag, or a ``classes`` array of class names stored in the
+file. The class count shapes the released model's output layer and the probes, so it is never
+read off the labels (one training image with a new label would change it): a file without a
+declaration is refused, naming what to set, unless ``infer_classes=True`` (public data,
+exploration), which takes ``max(label) + 1`` and refuses labels that skip a class no split uses
+(0, 1 and 5 in a binary file) rather than reading them as extra classes.
 
 Layout rule for ``{split}_images`` (used unless ``spatial_dims`` is given):
 
@@ -55,6 +58,7 @@ from dpkfc_med.data.paths import sha256_file
 from dpkfc_med.data.units import as_unit_id_strings, unit_id_array_problems
 
 __all__ = [
+    "CLASSES_KEY",
     "DEFAULT_SPLITS",
     "MedMNISTDataset",
     "UNIT_IDS_SUFFIX",
@@ -67,6 +71,8 @@ __all__ = [
 DEFAULT_SPLITS = ("train", "val", "test")
 UNIT_IDS_SUFFIX = "_unit_ids"
 """Optional ``{split}_unit_ids`` arrays give each image's patient id (privacy unit)."""
+CLASSES_KEY = "classes"
+"""Optional 1-D array of class names: a declaration of the classes shipped with the data."""
 
 
 class Task(str, Enum):
@@ -334,6 +340,42 @@ def _undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int
     ]
 
 
+def _undeclared_problem(suggested: int) -> str:
+    """The refusal of a file whose classes nobody declared (the count is not read off labels)."""
+    return (
+        "the number of classes is not declared: no num_classes, no medmnist.INFO entry for this "
+        f"file name and no {CLASSES_KEY!r} array of class names in the file. The class count "
+        "sets the released model's output layer and the probes, so it must not come from the "
+        "private labels (one training image with a new label would change it). Set "
+        "data.num_classes in the run config (CLI: --set data.num_classes=N; Python: "
+        f"num_classes=N) or store the class names in the file (np.savez(..., {CLASSES_KEY}="
+        "np.array(['normal', 'pneumonia']))). For you, the data custodian only, not for "
+        f"anything you share: the labels in this file suggest {suggested} classes "
+        "(largest label + 1)"
+    )
+
+
+def _declared_class_names(archive: Any, problems: list[str]) -> list[str]:
+    """Class names from the file's ``classes`` array (a declaration shipped with the data)."""
+    if CLASSES_KEY not in archive.files:
+        return []
+    try:
+        names = archive[CLASSES_KEY]
+    except ValueError as err:  # object arrays need pickle, which is refused
+        problems.append(
+            f"{CLASSES_KEY} could not be read without pickle ({err}); save class names as "
+            "strings (np.asarray(names, dtype=str))"
+        )
+        return []
+    if names.ndim != 1 or names.size == 0:
+        problems.append(
+            f"{CLASSES_KEY} has shape {names.shape}; expected a non-empty 1-D array with one "
+            "name per class"
+        )
+        return []
+    return [str(v) for v in names.tolist()]
+
+
 def _class_counts(labels: torch.Tensor, num_classes: int, multilabel: bool) -> list[int]:
     if multilabel:
         return [int(v) for v in labels.sum(dim=0).tolist()]
@@ -348,6 +390,7 @@ def load_medmnist(
     num_classes: int | None = None,
     flag: str | None = None,
     max_per_split: int | None = None,
+    infer_classes: bool = False,
 ) -> MedMNISTDataset:
     """Read and validate a MedMNIST-format ``.npz`` archive.
 
@@ -359,21 +402,24 @@ def load_medmnist(
         splits: Splits that must be present.
         spatial_dims: 2 or 3 to override the layout rule of the module docstring.
         num_classes: Declared number of classes; labels must lie in ``[0, num_classes)``.
-            Defaults to the ``medmnist.INFO`` entry for the flag, else ``max(label) + 1``
-            (refused when the labels skip a class, see the module docstring).
+            Defaults to the ``medmnist.INFO`` entry for the flag, else the length of the
+            file's ``classes`` array of class names.
         flag: ``medmnist.INFO`` key for metadata; by default taken from the file name
             (``pneumoniamnist_64.npz`` -> ``pneumoniamnist``).
         max_per_split: Keep only the first ``max_per_split`` items of each split (after
             validating the whole file); for quick tests.
+        infer_classes: Without any declaration, take ``max(label) + 1`` classes instead of
+            refusing the file. Only for data that is not private (a public proxy, exploration):
+            the count then depends on every label in the file.
 
     Returns:
         :class:`MedMNISTDataset` with images ``[N, C, *spatial]`` float32 and int64 labels.
 
     Raises:
         DataValidationError: Missing or unreadable file, missing keys, length mismatches,
-            empty splits, non-finite pixels, bad labels (outside the declared classes, or
-            skipping a class when undeclared), bad ``{split}_unit_ids``, or shapes that differ
-            between splits.
+            empty splits, non-finite pixels, undeclared classes (unless ``infer_classes``),
+            bad labels (outside the declared classes, or skipping a class when inferred), bad
+            ``{split}_unit_ids``, or shapes that differ between splits.
         ValueError: ``spatial_dims`` not in (2, 3) or an unknown ``flag``.
     """
     path = Path(path).expanduser()
@@ -413,6 +459,7 @@ def load_medmnist(
             arrays = {k: archive[k] for k in present if k.endswith(("_images", "_labels"))}
             unit_arrays: dict[str, np.ndarray] = {}
             problems: list[str] = []
+            file_classes = _declared_class_names(archive, problems)
             for s in splits:
                 key = f"{s}{UNIT_IDS_SUFFIX}"
                 if key in present:
@@ -539,15 +586,27 @@ def load_medmnist(
             problems.append(
                 f"num_classes={num_classes} but the multi-label matrices have {n_classes} columns"
             )
+        elif num_classes is None and file_classes and len(file_classes) != n_classes:
+            problems.append(
+                f"the multi-label matrices have {n_classes} columns but the file's "
+                f"{CLASSES_KEY!r} array names {len(file_classes)} classes; they must agree"
+            )
     else:
         if num_classes is not None and (isinstance(num_classes, bool) or num_classes < 1):
             problems.append(f"num_classes={num_classes!r}: must be an integer >= 1")
             num_classes = None
-        declared = num_classes if num_classes is not None else (len(info_labels) or None)
+        if num_classes is not None:
+            declared, source = num_classes, "num_classes"
+        elif info_labels:
+            declared, source = len(info_labels), f"medmnist.INFO[{flag!r}]"
+        elif file_classes:
+            declared, source = len(file_classes), f"the file's {CLASSES_KEY!r} array"
+            info_labels = {str(i): name for i, name in enumerate(file_classes)}
+        else:
+            declared, source = None, ""
         observed_max = max((int(a.max()) for a in label_arrays.values() if a.size), default=-1)
         n_classes = declared if declared is not None else observed_max + 1
         if declared is not None:
-            source = "num_classes" if num_classes is not None else f"medmnist.INFO[{flag!r}]"
             classes_from = source
             for s, lab in label_arrays.items():
                 if (over := int((lab >= declared).sum())) > 0:
@@ -557,9 +616,11 @@ def load_medmnist(
                         f"0..{declared - 1} declared by {source}; fix the labels or declare the "
                         "right classes (num_classes, data.num_classes in a run config, or flag)"
                     )
-        else:
+        elif infer_classes:
             classes_from = "largest label + 1 (classes not declared)"
             problems.extend(_undeclared_gap_problems(label_arrays, observed_max))
+        elif label_arrays:
+            problems.append(_undeclared_problem(observed_max + 1))
 
     if problems:
         raise DataValidationError(path, problems)

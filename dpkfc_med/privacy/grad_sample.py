@@ -279,6 +279,9 @@ def _preconditioned_sampler(
     return out
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def _param_dtype(module: nn.Module) -> torch.dtype | None:
     """The floating dtype of ``module``'s own trainable parameters (None without any)."""
     for p in module.parameters(recurse=False):
@@ -437,9 +440,25 @@ class PreconditionedGradSampleModule(GradSampleModule):
         Under mixed precision (bfloat16 autocast) a layer's captured input and output error
         are bfloat16 while its parameters are float32. Every sampler -- Opacus', functorch's
         and the preconditioned one, ghost norms included -- then works in float32, so norms,
-        transforms and the clipped sum do not round to bfloat16. The error is cast before
-        Opacus scales it by the batch size for a mean loss.
+        transforms and the clipped sum do not round to bfloat16.
+
+        A low-precision output error of a *mean*-reduced loss is refused: it carries
+        ``(1/B) g`` rounded to bfloat16, whose rounding depends on the secret batch size
+        ``B``, so a unit's clipped contribution would depend on how many other units were
+        drawn. Backpropagate the sum of per-sample losses instead (``backward_reduction=
+        "sum"`` in :meth:`~dpkfc_med.privacy.PrivacyEngine.make_private`).
+
+        Raises:
+            RuntimeError: a bfloat16 / float16 output error under a mean-reduced loss.
         """
+        if loss_reduction == "mean" and backprops.dtype in _LOW_PRECISION:
+            raise RuntimeError(
+                f"{type(module).__name__}: output errors arrive in {backprops.dtype} from a "
+                "batch-mean loss; their rounding of (1/B) g depends on the secret Poisson batch "
+                "size B, which breaks the per-unit sensitivity bound. Call make_private(..., "
+                "backward_reduction='sum') and backward() the sum of per-sample losses (the "
+                "update is still averaged over the expected batch), or train in float32"
+            )
         dtype = _param_dtype(module)
         activations, backprops = super().rearrange_grad_samples(
             module=module,

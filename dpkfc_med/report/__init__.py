@@ -5,6 +5,7 @@ from dpkfc_med.report.custodian import (
     CUSTODIAN_ONLY,
     PRIVATE_DIR,
     not_covered,
+    shareable_config,
     split_report,
 )
 from dpkfc_med.report.environment import collect_environment, sha256_of_files
@@ -40,6 +41,7 @@ __all__ = [
     "render_plots",
     "rerender",
     "sha256_of_files",
+    "shareable_config",
     "split_report",
     "to_json_data",
     "validate_custodian_report",

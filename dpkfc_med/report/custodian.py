@@ -25,12 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "CONFIG_PATHS",
     "CUSTODIAN_FILES",
     "CUSTODIAN_ONLY",
     "CUSTODIAN_SCHEMA",
     "PRIVATE_DIR",
     "not_covered",
     "not_covered_summary",
+    "shareable_config",
     "split_report",
 ]
 
@@ -46,6 +48,15 @@ CUSTODIAN_FILES: dict[str, str] = {
 }
 """Key -> path (relative to the run directory) of the custodian report's files."""
 
+CONFIG_PATHS = (
+    "data.path",
+    "data.unit_ids",
+    "probes.public_data",
+    "pretrain.cache_dir",
+    "output.dir",
+)
+"""Run-config fields that hold paths: never in the shareable part (names can identify people)."""
+
 CUSTODIAN_ONLY: dict[str, str] = {
     "history.loss": "per-step training losses (un-noised minibatch statistics)",
     "history.val_epoch": "epochs of the validation curve",
@@ -57,6 +68,11 @@ CUSTODIAN_ONLY: dict[str, str] = {
     "data.sha256": "fingerprint of the private data (a membership oracle for the whole dataset)",
     "data.split": "case ids of each split (who is in the training set)",
     "data.units": "images per patient and image counts of the patient-id mapping",
+    "data.path": "where the private data lies (folder and file names can name people or wards)",
+    "run.run_dir": "the run directory's path",
+    **{f"run.config.{field}": f"config field {field} (a path)" for field in CONFIG_PATHS},
+    "preconditioner.external_data.path": "the public proxy's path",
+    "preconditioner.probe_source.path": "the public proxy's path",
 }
 """Dotted report field -> what it is; all move from the shareable to the custodian report."""
 
@@ -68,6 +84,14 @@ CUSTODIAN_FOLDER_FILES: dict[str, str] = {
     "evaluations/*.json": "results of `dpkfc-med evaluate` (computed on the evaluated data)",
 }
 """Files that may appear under :data:`PRIVATE_DIR`, and what they hold."""
+
+
+def shareable_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config (nested dict) without its path fields (:data:`CONFIG_PATHS`)."""
+    out = copy.deepcopy(dict(config))
+    for dotted in CONFIG_PATHS:
+        _pop(out, dotted)
+    return out
 
 
 def _pop(report: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -102,6 +126,13 @@ def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         :data:`CUSTODIAN_SCHEMA`) with the run's name, status and privacy headline for context.
     """
     shareable = copy.deepcopy(dict(full))
+    # times finer than a day would let a reader derive the run's duration, which depends on
+    # the secret Poisson batch sizes: the shareable report keeps dates
+    if isinstance(shareable.get("created"), str):
+        shareable["created"] = shareable["created"][:10]
+    for entry in (shareable.get("privacy") or {}).get("plan_history") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("time"), str):
+            entry["date"] = entry.pop("time")[:10]
     private: dict[str, Any] = {}
     moved: list[str] = []
     for dotted in CUSTODIAN_ONLY:
@@ -133,6 +164,8 @@ def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "data": {},
         "files": dict(CUSTODIAN_FOLDER_FILES),
     }
+    custodian["run"].update(private.get("run", {}))
+    custodian["created"] = full.get("created")
     for key in ("history", "training", "data"):
         custodian[key].update(private.get(key, {}))
     for key in ("metrics", "diagnostics"):

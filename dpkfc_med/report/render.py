@@ -243,6 +243,8 @@ def guarantee_sentence(report: Mapping[str, Any]) -> str:
     p, unit = report["privacy"], report["data"]["privacy_unit"]
     if not p["private"]:
         return "NO PRIVACY GUARANTEE: " + NONPRIVATE_NOTE.format(units=plural(unit))
+    if (p.get("randomness") or {}).get("source") == "seeded":
+        return str(p["guarantee"])  # no (epsilon, delta) claim: the noise can be replayed
     eps, primary = p["epsilon"], p["accountant"]
     checks = []
     for name in ("prv", "rdp", "pld"):
@@ -360,9 +362,10 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
                 for t in ("NOT A VALID DP RELEASE", "PRECONDITIONER USES PRIVATE DATA")
                 if text.startswith(t)
             ),
-            "Accountants disagree",
+            "Warning",
         )
-        doc.append(Banner(title, text, "warning" if title == "Accountants disagree" else "danger"))
+        doc.append(Banner(title, text, "danger"))
+    doc += headline(report)
     doc.append(plain_summary(report))
     doc += _summary(report)
     doc += _guarantee(report)
@@ -376,6 +379,39 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     doc += [Heading(2, "Hyperparameter tuning"), Paragraph(p["hyperparameter_tuning"])]
     doc += _reproducibility(report)
     return doc
+
+
+def headline(report: Mapping[str, Any]) -> list[Block]:
+    """The verdict line that opens the report, and the other accountants on a neutral line.
+
+    The verdict states the primary accountant's epsilon and what it is; the looser bounds of
+    the cross-check accountants are information, not a warning (a run calibrated to PRV always
+    has a larger RDP bound).
+    """
+    p = report["privacy"]
+    verdict, _ = _release_verdict(report)
+    if not p["private"] or (p.get("randomness") or {}).get("source") == "seeded":
+        return [Paragraph((Span(verdict[0], "strong"), " " + verdict[1]))]
+    eps, acc = p["epsilon"], p["accountant"]
+    unit = report["data"]["privacy_unit"]
+    line = (
+        Span(verdict[0].rstrip(","), "strong"),
+        f": epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])} per {unit} "
+        f"({_ACCOUNTANTS[acc]}, the accountant this run was planned with and the figure the "
+        "guarantee states).",
+    )
+    others = [
+        f"{_ACCOUNTANTS[name]} {format_epsilon(eps[name])}"
+        for name in ("prv", "rdp", "pld")
+        if name != acc
+    ]
+    return [
+        Paragraph(line),
+        Paragraph(
+            "Other accountants, for reference (upper bounds on the same mechanism by other "
+            f"methods; looser bounds are expected): {', '.join(others)}."
+        ),
+    ]
 
 
 def plain_summary(report: Mapping[str, Any]) -> Box:
@@ -442,6 +478,15 @@ def plain_summary(report: Mapping[str, Any]) -> Box:
         + "; ".join(not_covered_summary(report))
         + "."
     )
+    if (p.get("randomness") or {}).get("source") == "seeded":
+        against = (
+            "Against what: nothing. The noise and the sampling were seeded from a seed this "
+            "report publishes, so anyone can replay them and subtract the noise."
+        )
+        spent = (
+            f"How much: no guarantee. With secret randomness the same mechanism would have "
+            f"spent epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])}."
+        )
     verdict, kind = _release_verdict(report)
     return Box(
         "In plain words",
@@ -844,8 +889,9 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
     if ext is not None:
         sha = ext["sha256"]
         digest: Inline = Span(sha) if isinstance(sha, str) else _fmt(sha)
+        if ext.get("path"):
+            rows.append(("External data", Span(ext["path"])))
         rows += [
-            ("External data", Span(ext["path"])),
             ("External data SHA-256", digest),
             ("External data note", ext["note"]),
         ]
@@ -913,7 +959,7 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
 def _data(report: Mapping[str, Any]) -> list[Block]:
     data = report["data"]
     rows: list[tuple[Inline, Any]] = [
-        ("Path", Span(data["path"])),
+        ("Path", Span(data["path"]) if data.get("path") else "in the custodian report"),
         ("Privacy unit", data["privacy_unit"]),
         ("Units in the training set", data["num_train_units"]),
         ("Maximum samples per unit", data["max_samples_per_unit"]),
@@ -1059,7 +1105,10 @@ def _reproducibility(report: Mapping[str, Any]) -> list[Block]:
     rows: list[tuple[Inline, Any]] = [
         ("Report schema", Span(report["schema"])),
         ("Run name", run["name"]),
-        ("Run directory", Span(run["run_dir"])),
+        (
+            "Run directory",
+            Span(run["run_dir"]) if run.get("run_dir") else "in the custodian report",
+        ),
         ("Config SHA-256", Span(run["config_sha256"])),
         ("Seed", run["seed"]),
         ("Device", run["device"]),

@@ -8,10 +8,10 @@ Layout (version 1; keys not listed are allowed and kept)::
 
     schema: "dpkfc_med.privacy_report/2"
     status: "complete" | "incomplete" | "failed"
-    created: ISO-8601 date-time
-    run: {name, run_dir, config_sha256, config, seed, device}
+    created: ISO-8601 date (shareable report) or date-time
+    run: {name, config_sha256, config, seed, device}  (run_dir: custodian report)
     task: {kind, spatial_dims, num_classes, label_names}
-    data: {path, splits, num_train_units, privacy_unit, max_samples_per_unit}
+    data: {splits, num_train_units, privacy_unit, max_samples_per_unit}  (path: custodian)
     model: {name, num_params, fixes}
     privacy: {method, private, accountant, epsilon, target_epsilon, delta, sampler,
               sample_rate, expected_batch_size, noise_multiplier, max_grad_norm, steps,
@@ -312,7 +312,7 @@ def _timestamp(value: Any, path: str, problems: list[str]) -> None:
         datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
     except (TypeError, ValueError, AttributeError):
         problems.append(
-            f"{path}: must be an ISO-8601 date-time such as '2024-05-01T12:00:00+00:00', "
+            f"{path}: must be an ISO-8601 date or date-time such as '2024-05-01', "
             f"got {_kind(value)}"
         )
 
@@ -329,7 +329,6 @@ def _schema_id(value: Any, path: str, problems: list[str]) -> None:
 _RUN = _fields(
     {
         "name": _string,
-        "run_dir": _string,
         "config_sha256": _sha256,
         "config": _mapping,
         "seed": _nullable(_integer()),
@@ -346,7 +345,6 @@ _TASK = _fields(
 )
 _DATA = _fields(
     {
-        "path": _string,
         "splits": _mapping_of(_integer(0), "a mapping split -> number of samples"),
         "num_train_units": _integer(1),
         "privacy_unit": _string,
@@ -390,7 +388,7 @@ def _present(value: Any, path: str, problems: list[str]) -> None:
 
 
 _COVERAGE_ROW = _fields(dict.fromkeys(COVERAGE_KEYS, _present))
-_EXTERNAL = _fields({"path": _string, "sha256": _sha256_field, "note": _string})
+_EXTERNAL = _fields({"sha256": _sha256_field, "note": _string})  # path: custodian report
 
 _PRIVACY_COMMON: dict[str, Check] = {
     "method": _one_of(*METHODS),
@@ -634,7 +632,7 @@ def validate_report(report: Any) -> list[str]:
     sections: list[tuple[str, Callable[[Any], None]]] = [
         ("schema", lambda v: _schema_id(v, "schema", problems)),
         ("status", lambda v: _one_of(*STATUSES)(v, "status", problems)),
-        ("created", lambda v: _timestamp(v, "created", problems)),
+        ("created", lambda v: _timestamp(v, "created", problems)),  # a date when shared
         ("run", lambda v: _RUN(v, "run", problems)),
         ("task", lambda v: _check_task(v, problems)),
         ("data", lambda v: _DATA(v, "data", problems)),

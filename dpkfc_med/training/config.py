@@ -104,7 +104,13 @@ class DataConfig:
         num_classes: the declared number of classes (segmentation: required when the folder's
             ``dataset.json`` declares no labels). Classification: labels outside
             ``0..num_classes-1`` are refused (default: ``medmnist.INFO`` for a MedMNIST file
-            name, else the largest label + 1).
+            name, else a ``classes`` array of class names in the file; never the labels
+            themselves: a file with neither is refused).
+        modality: free text for what the images are (``"MRI T1"``, ``"chest X-ray"``), shown
+            in the shareable report's bundle metadata; unset: "not stated". Nothing shareable
+            is derived from the data's path or folder names.
+        source: free text for where the data comes from, as you want it published (e.g.
+            ``"MSD Task04 Hippocampus"``); unset: "not stated".
         shard: ``[k, n]``: train on every ``n``-th unit of the training split starting at
             ``k`` (site ``k`` of ``n`` in ``dpkfc-med federated``, which sets it); the units
             outside the shard are not used, and the privacy unit count is the shard's.
@@ -123,6 +129,8 @@ class DataConfig:
     resize: list[int] | None = None
     unit_ids: str | None = None
     num_classes: int | None = None
+    modality: str | None = None
+    source: str | None = None
     shard: list[int] | None = None
 
 

@@ -93,6 +93,9 @@ def evaluate_run(
     cfg.data.unit_ids = None  # evaluation is per image; the run's mapping describes its own file
     saved = torch.load(run / "model.pt", map_location="cpu", weights_only=False)
     meta = saved["task"]
+    if cfg.data.task == "classification" and cfg.data.num_classes is None:
+        # the trained model declares the classes of the data it is evaluated on
+        cfg.data.num_classes = int(meta["num_classes"])
     task = build_task(cfg, data, public_probes=False)
     mismatch = []
     for key, got in (
@@ -134,7 +137,7 @@ def evaluate_run(
         "run": str(run),
         "data": task.data_record,
         "split": split,
-        "selected_epoch": saved.get("selected_epoch"),
+        "selected_epoch": _selected_epoch(run),
         **({"note": note} if note else {}),
         "not_dp": warning is not None,
         **({"warning": warning} if warning else {}),
@@ -145,6 +148,15 @@ def evaluate_run(
     stem = Path(task.data_record["path"]).stem
     write_json(run / EVALUATIONS_DIR / f"{stem}_{split}.json", out)
     return json.loads(json.dumps(out, default=str))
+
+
+def _selected_epoch(run: Path) -> int | None:
+    """The epoch the run kept, from its custodian-only metrics (not stored in the model)."""
+    path = run / PRIVATE_DIR / "metrics.json"
+    try:
+        return json.loads(path.read_text()).get("selected_epoch")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _own_data(task: Task, trained: RunConfig, data: str | None) -> bool:

@@ -83,9 +83,19 @@ class Task:
     unit_note: dict[str, Any] | None = None
     max_samples_public: bool = True
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        """Batch-mean training loss."""
+    def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Training loss of each sample ``[M]``, a function of that sample alone.
+
+        Private training backpropagates the *sum* of these, so every sample's output error is
+        its own loss gradient, whatever the (secret) batch size; a batch-mean loss would pass
+        ``(1/B) g`` through the network, which under bfloat16 autocast rounds differently for
+        every ``B``.
+        """
         raise NotImplementedError
+
+    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Batch-mean training loss (non-private training, pretraining, logging)."""
+        return self.per_sample_loss(outputs, targets).mean()
 
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-sample loss on probes ``[M]``."""
@@ -217,7 +227,7 @@ class PublicProbeSource:
         if task != "classification":
             raise ConfigError(["method dp-kfc-public supports classification only"])
         self.path = resolve_data_path(path)
-        data = load_medmnist(self.path)
+        data = load_medmnist(self.path, infer_classes=True)  # public proxy data
         images = data.splits["train"][0]
         self.private_path = None if private is None else str(private.path)
         self.overlap: int | None = None
@@ -330,9 +340,9 @@ class PublicProbeSource:
 class ClassificationTask(Task):
     """Multi-class / binary classification of MedMNIST-format images (2D or 3D)."""
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        """Cross-entropy, mean over the batch."""
-        return F.cross_entropy(outputs, targets)
+    def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Cross-entropy of each image ``[M]``."""
+        return F.cross_entropy(outputs, targets, reduction="none")
 
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-sample cross-entropy."""

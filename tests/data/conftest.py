@@ -58,9 +58,10 @@ def good_arrays(
     num_classes: int = 2,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-    """A valid MedMNIST-layout dict: uint8 images, (N, 1) labels covering every class."""
+    """A valid MedMNIST-layout dict: uint8 images, (N, 1) labels covering every class, and the
+    declared class names (``classes``)."""
     rng = np.random.default_rng(seed)
-    arrays = {}
+    arrays = {"classes": np.array([f"class{k}" for k in range(num_classes)])}
     for split, n in zip(("train", "val", "test"), sizes):
         arrays[f"{split}_images"] = rng.integers(0, 256, (n, *sample_shape), dtype=np.uint8)
         arrays[f"{split}_labels"] = (np.arange(n) % num_classes).astype(np.uint8)[:, None]

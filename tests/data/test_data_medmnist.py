@@ -66,7 +66,8 @@ def test_rgb_channels_last_and_flat_labels(write_npz, make_arrays) -> None:
     raw = arrays["train_images"]
     assert images[2, 1, 4, 5] == pytest.approx(raw[2, 4, 5, 1] / 255.0)
     assert ds.task == "multiclass" and ds.num_classes == 4
-    assert ds.label_names == ["0", "1", "2", "3"]
+    assert ds.label_names == ["class0", "class1", "class2", "class3"]
+    assert ds.num_classes_source == "the file's 'classes' array"
     assert labels.tolist() == [0, 1, 2, 3, 0, 1]
     assert ds.class_counts["train"] == [2, 2, 1, 1]
 
@@ -88,6 +89,9 @@ def test_multilabel(write_npz, make_arrays) -> None:
     rng = np.random.default_rng(1)
     for s, n in zip(("train", "val", "test"), (6, 3, 3)):
         arrays[f"{s}_labels"] = rng.integers(0, 2, (n, 4)).astype(np.uint8)
+    with pytest.raises(DataValidationError, match=r"4 columns but the file's 'classes' array"):
+        load_medmnist(write_npz(**arrays))  # 2 class names declared, 4 label columns
+    arrays["classes"] = np.array(list("abcd"))
     ds = load_medmnist(write_npz(**arrays))
     assert ds.task == Task.MULTILABEL and ds.num_classes == 4
     assert ds.splits["train"][1].shape == (6, 4)
@@ -136,7 +140,7 @@ def test_missing_keys_lists_present(write_npz, make_arrays) -> None:
     del arrays["val_labels"], arrays["test_images"]
     with pytest.raises(
         DataValidationError,
-        match=r"missing keys \['val_labels', 'test_images'\]; present keys: \['test_labels', "
+        match=r"missing keys \['val_labels', 'test_images'\]; present keys: \['classes', 'test_labels', "
         r"'train_images', 'train_labels', 'val_images'\]",
     ):
         load_medmnist(write_npz(**arrays))
@@ -200,9 +204,40 @@ def test_label_outside_binary_file_names_file_split_count_and_values(write_npz, 
     assert "medmnist.INFO['breastmnist']" in err
 
 
-def test_undeclared_labels_that_skip_a_class_are_refused(write_npz, make_arrays):
-    """Without declared classes, labels {0, 1, 5} would silently make a 6-class task."""
+def test_classes_are_never_read_off_the_private_labels(write_npz, make_arrays):
+    """Adding one training image with a new label must not change the class count.
+
+    Without a declaration the count would be ``max(label) + 1`` over all splits, training split
+    included: a neighbouring dataset would get another output layer (certain
+    distinguishability). The file is refused instead, naming what to set, with the value the
+    data suggests shown to the custodian.
+    """
     arrays = make_arrays()
+    del arrays["classes"]
+    path = write_npz("site_a.npz", **arrays)  # no MedMNIST flag, no classes array
+    with pytest.raises(
+        DataValidationError,
+        match=r"(?s)site_a\.npz: 1 problem found.*number of classes is not declared.*"
+        r"--set data\.num_classes=N.*classes=np\.array.*custodian only.*suggest 2 classes",
+    ):
+        load_medmnist(path)
+    arrays["train_labels"][4] = 2  # the neighbouring dataset: one image with a new label
+    with pytest.raises(DataValidationError, match=r"number of classes is not declared"):
+        load_medmnist(write_npz("site_a.npz", **arrays))
+    # declared anywhere (argument, file), the count is the declaration whatever the labels
+    assert load_medmnist(path, num_classes=3).num_classes == 3
+    arrays["classes"] = np.array(["a", "b", "c"])
+    ds = load_medmnist(write_npz("site_b.npz", **arrays))
+    assert ds.num_classes == 3 and ds.label_names == ["a", "b", "c"]
+    arrays["classes"] = np.array(["a", "b"])
+    with pytest.raises(DataValidationError, match=r"label\(s\) >= 2 \(offending values \[2\]\)"):
+        load_medmnist(write_npz("site_b.npz", **arrays))
+
+
+def test_inferred_labels_that_skip_a_class_are_refused(write_npz, make_arrays):
+    """With ``infer_classes`` (public data), labels {0, 1, 5} would silently make 6 classes."""
+    arrays = make_arrays()
+    del arrays["classes"]
     arrays["train_labels"][4] = 5
     path = write_npz("site_b.npz", **arrays)  # no MedMNIST flag: classes not declared
     with pytest.raises(
@@ -210,7 +245,7 @@ def test_undeclared_labels_that_skip_a_class_are_refused(write_npz, make_arrays)
         match=r"(?s)site_b\.npz: 1 problem found.*skip class\(es\) \[2, 3, 4\].*"
         r"train_labels has 1 label\(s\) > 1 \(values \[5\]\).*declare the classes",
     ):
-        load_medmnist(path)
+        load_medmnist(path, infer_classes=True)
     # Declaring the classes turns the same file into a clear out-of-range error ...
     with pytest.raises(DataValidationError, match=r"train_labels has 1 label\(s\) >= 2"):
         load_medmnist(path, num_classes=2)
@@ -218,8 +253,10 @@ def test_undeclared_labels_that_skip_a_class_are_refused(write_npz, make_arrays)
     ds = load_medmnist(path, num_classes=6)
     assert ds.num_classes == 6 and ds.num_classes_source == "num_classes"
     # Contiguous undeclared labels still infer max + 1 and say so.
-    plain = load_medmnist(write_npz("site_c.npz", **make_arrays(num_classes=3)))
-    assert plain.num_classes == 3 and "not declared" in plain.num_classes_source
+    plain = make_arrays(num_classes=3)
+    del plain["classes"]
+    inferred = load_medmnist(write_npz("site_c.npz", **plain), infer_classes=True)
+    assert inferred.num_classes == 3 and "not declared" in inferred.num_classes_source
 
 
 def test_multilabel_values_not_binary(write_npz, make_arrays) -> None:

@@ -21,12 +21,12 @@ METHODS = {
 C = 0.5
 
 
-def _private(method: str, device: str, clipping: str):
+def _private(method: str, device: str, clipping: str, n: int = 24):
     kind, pre = METHODS[method]
     torch.manual_seed(3)
     net = tiny_cnn_2d().to(device)  # conv, conv + GroupNorm, linear
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(24, 1, 8, 8, generator=g), torch.randint(0, 3, (24,), generator=g)
+    x, y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
     pm, popt, _ = PrivacyEngine(seed=1).make_private(
         module=net,
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
@@ -39,6 +39,7 @@ def _private(method: str, device: str, clipping: str):
         probe_loss=per_sample_ce,
         preconditioner=pre,
         clipping=clipping,
+        backward_reduction="sum",
     )
     return pm, popt, x.to(device), y.to(device)
 
@@ -99,6 +100,57 @@ def test_bf16_sensitivity_with_units_of_k_patches(device):
         kept = units[keep] - (units[keep] > patient).long()
         neighbour = summed_clipped(popt, _backward(pm, x[keep], y[keep], Precision.BF16), kept)
         assert float((full - neighbour).norm()) <= C * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clipping", ["per_sample", "ghost", "auto"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_bf16_sensitivity_does_not_grow_with_the_batch_size(method, clipping, device):
+    """Under bf16 a unit's clipped contribution is a function of that unit alone.
+
+    The secret Poisson batch size ``B`` must not enter any unit's contribution: with the sum
+    of per-sample losses backpropagated, removing one unit from a batch of ``B`` (powers of
+    two and not) moves the clipped sum by at most ``C`` up to float32 rounding. (A batch-mean
+    loss rounded ``(1/B) g`` to bfloat16 and reached 1.1 C at ``B = 256``.)
+    """
+    sizes = (1, 2, 3, 7, 64, 100, 255, 256)
+    pm, popt, x, y = _private(method, device, clipping, n=max(sizes))
+    x = x * 20  # large gradients: every unit is clipped
+    worst = 0.0
+    for b in sizes:
+        full = summed_clipped(popt, _backward(pm, x[:b], y[:b], Precision.BF16))
+        for j in sorted({0, b // 2, b - 1}):
+            keep = torch.arange(b, device=x.device) != j
+            neighbour = summed_clipped(
+                popt, _backward(pm, x[:b][keep], y[:b][keep], Precision.BF16)
+            )
+            worst = max(worst, float((full - neighbour).norm()) / C)
+    assert worst <= 1 + 1e-6, worst
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_bf16_mean_loss_is_refused(method):
+    """A batch-mean loss under bf16 carries (1/B) g rounded to bf16: the hooks refuse it."""
+    kind, pre = METHODS[method]
+    net = tiny_cnn_2d()
+    x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 3, (24,))
+    pm, popt, _ = PrivacyEngine(seed=1).make_private(
+        module=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=C,
+        delta=1e-5,
+        method=kind,
+        probe_source=GaussianProbes((1, 8, 8), num_classes=3),
+        probe_loss=per_sample_ce,
+        preconditioner=pre,
+    )
+    with forward_autocast(Precision.BF16, x.device):
+        out = pm(x)
+    with pytest.raises(RuntimeError, match=r"batch-mean loss.*backward_reduction='sum'"):
+        F.cross_entropy(out.float(), y).backward()
+    popt.zero_grad()
 
 
 def test_backend_settings_turn_tf32_off_on_cuda_only_and_restore():

@@ -25,7 +25,7 @@ PATIENTS = ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p4", "p5", "p6"]
 def _toy(tmp_path: Path, ids: list[str] = PATIENTS, **extra: np.ndarray) -> Path:
     """An 8x8 binary MedMNIST-format file; a patient's images are near-identical."""
     rng = np.random.default_rng(0)
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray] = {"classes": np.array(["negative", "positive"])}
     for split, n in (("train", len(ids)), ("val", 4), ("test", 4)):
         arrays[f"{split}_images"] = rng.integers(0, 256, (n, 8, 8), dtype=np.uint8)
         arrays[f"{split}_labels"] = (np.arange(n) % 2).astype(np.uint8)[:, None]

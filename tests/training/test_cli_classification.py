@@ -171,7 +171,7 @@ def _bad_npz(tmp_path: Path, **changes) -> Path:
             r"site\.npz: 1 problem found:\n  - train_labels has 2 label\(s\) >= 2 \(offending "
             r"values \[5\]\), outside the 2 classes 0..1 declared by num_classes",
         ),
-        ("labels_skip_a_class", r"(?s)site\.npz.*labels skip class\(es\) \[2, 3, 4\]"),
+        ("labels_skip_a_class", r"(?s)site\.npz.*classes is not declared.*suggest 6 classes"),
         (
             "unit_ids_bad_rows",
             r"units\.csv: 1 problem found:\n  - 19 of the 20 training indices have no row",

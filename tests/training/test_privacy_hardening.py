@@ -53,13 +53,15 @@ def test_resume_with_more_epochs_replans_within_the_target(tmp_path):
         assert ledger.epsilon(accountant) <= 4.0  # never past the target, composed
     first, later = ledger.events[0], ledger.events[-1]
     assert first.steps == 3 and later.noise_multiplier > first.noise_multiplier
-    # the original config is kept, every session's config is appended
-    assert (run / "config.yaml").read_text() == original
+    # config.yaml is the config the run now follows; every session's config is appended
+    assert (run / "config.yaml").read_text() != original
+    assert yaml.safe_load((run / "config.yaml").read_text())["training"]["epochs"] == 8
     sessions = list(yaml.safe_load_all((run / "config_history.yaml").read_text()))
     assert [s["training"]["epochs"] for s in sessions] == [3, 8]
     plans = json.loads((run / "plan.json").read_text())["plans"]
     assert [p["kind"] for p in plans] == ["start", "checkpoint"]
     assert plans[1]["changed_fields"] == ["training.epochs"]
+    assert plans[1]["plan"]["spent_steps"] == 3  # the first session's epoch
     rep = _report(run)
     assert rep["privacy"]["steps"] == 24 and rep["privacy"]["epsilon"]["prv"] <= 4.0
     assert len(rep["privacy"]["plan_history"]) == 2
