@@ -9,6 +9,11 @@ site holds about 51), at the config's epsilon per site, spread over all rounds. 
 model is scored on the test cases of seed 0's split, as is the shipped config trained as
 shipped on all of that split's training cases in one run (the segmentation benchmark's shipped
 study, ``segmentation_hippocampus.json``), whose test Dice is shown next to it. Writes ``benchmarks/results/federated_hippocampus.{json,md}``.
+
+The server never sees a test figure: each site evaluates the federated model on its own test
+cases and keeps the result under its ``private_not_for_release/``. Here every site holds the
+same test cases (seed 0's split of one public dataset) and this script is the custodian of
+every site, so it reads site 0's evaluation.
 """
 
 from __future__ import annotations
@@ -107,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         "target_epsilon_per_site": cfg.privacy.target_epsilon,
         "minutes": minutes,
         "per_site": rec["history"][-1]["sites"],
-        "federated_test": rec["test"],
+        # custodian-only at site 0 (the same test cases as every site's): read as its custodian
+        "federated_test": json.loads((cfg.run_dir() / rec["site_evaluations"][0]).read_text())[
+            "metrics"
+        ],
     }
     render(result, args.out)
     return 0

@@ -17,6 +17,12 @@ runs the same mechanism as one process, spread over the ranks:
   every rank holds the same noisy sum, divided by the *global* expected batch ``q N``. In
   secure mode the draw comes from OS entropy on rank 0; without a seed the other ranks'
   generators are never used for noise.
+* **One mechanism.** Before the first step, :func:`check_mechanism_on_every_rank` compares
+  every rank's mechanism (method, ``C``, ``sigma``, ``q``, ``N``, delta, accountant, clipping,
+  precision, the unit, a digest of the network and its initial parameters, the planned steps)
+  and stops the run on every rank if any field differs: the accountant's figures hold only if
+  every rank clips to the ``C`` and samples at the ``q`` rank 0 writes in the ledger (a rank
+  clipping to ``10 C`` would let one unit move the noisy sum by far more than ``C``).
 * **Preconditioner.** Probes are data-free and the released parameters are the same on every
   rank, so every rank builds the same preconditioner; :func:`check_same_on_every_rank` checks
   its fingerprint after each refresh.
@@ -26,18 +32,30 @@ runs the same mechanism as one process, spread over the ranks:
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import Sampler
 
 from dpkfc_med.privacy.rng import secure_uniform
 
-__all__ = ["ShardedPoissonSampler", "World", "all_reduce_sum", "check_same_on_every_rank"]
+__all__ = [
+    "MechanismMismatchError",
+    "ShardedPoissonSampler",
+    "World",
+    "all_reduce_sum",
+    "check_mechanism_on_every_rank",
+    "check_same_on_every_rank",
+    "mechanism_differences",
+    "module_digests",
+]
 
 
 @dataclass(frozen=True)
@@ -147,3 +165,127 @@ def check_same_on_every_rank(value: float, what: str, *, rel: float = 1e-6) -> N
             f"{what} differs between ranks ({low!r} .. {high!r}); every rank must build it "
             "from the same probes and released parameters (same config, seed and code)"
         )
+
+
+class MechanismMismatchError(ValueError):
+    """The ranks of one run would run different private mechanisms (a user error: configs)."""
+
+
+def _plain(value: object) -> object:
+    """``value`` as plain, comparable data (enums by value, tuples as lists)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+_MISSING = object()
+
+
+def _same(a: object, b: object) -> bool:
+    if a is _MISSING or b is _MISSING:
+        return a is b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def mechanism_differences(per_rank: Sequence[Mapping[str, object]]) -> list[str]:
+    """Every field on which a rank's mechanism differs from rank 0's, one line per value.
+
+    Args:
+        per_rank: each rank's fields, in rank order (as :func:`check_mechanism_on_every_rank`
+            gathers them).
+
+    Returns:
+        Lines like ``"rank 1 has max_grad_norm=10.0 where rank 0 has 1.0"`` (ranks that agree
+        with each other are named together), empty when every rank agrees.
+    """
+    if not per_rank:
+        return []
+    first = per_rank[0]
+    keys = list(first) + [k for m in per_rank[1:] for k in m if k not in first]
+    keys = list(dict.fromkeys(keys))
+    lines = []
+    for key in keys:
+        ref = first.get(key, _MISSING)
+        groups: list[tuple[object, list[int]]] = []  # differing value -> its ranks
+        for rank, fields in enumerate(per_rank[1:], start=1):
+            value = fields.get(key, _MISSING)
+            if _same(value, ref):
+                continue
+            for seen, ranks in groups:
+                if _same(seen, value):
+                    ranks.append(rank)
+                    break
+            else:
+                groups.append((value, [rank]))
+        for value, ranks in groups:
+            who = (
+                f"rank {ranks[0]} has"
+                if len(ranks) == 1
+                else ("ranks " + ", ".join(map(str, ranks)) + " have")
+            )
+            has = "no " + key if value is _MISSING else f"{key}={value!r}"
+            want = "none" if ref is _MISSING else repr(ref)
+            lines.append(f"{who} {has} where rank 0 has {want}")
+    return lines
+
+
+def check_mechanism_on_every_rank(fields: Mapping[str, object]) -> None:
+    """Stop the run on every rank unless every rank runs the mechanism described by ``fields``.
+
+    Every rank calls this once, before the first step, with the same field names (method,
+    ``max_grad_norm``, ``noise_multiplier``, ``sample_rate``, units, delta, accountant,
+    clipping, precision, the unit, :func:`module_digests`, planned steps...). The fields are
+    gathered on every rank (``all_gather_object``), so every rank reaches the same verdict and
+    all of them raise together: none is left waiting at a later collective. A single process
+    returns at once.
+
+    Privacy guarantee:
+        Rank 0's ledger accounts for one mechanism; this check makes that mechanism the one
+        every rank runs. A rank with a larger ``C`` (or a higher ``q``, or less noise on
+        rank 0) would let one unit move the released sum by more than the accounted ``C``.
+
+    Raises:
+        MechanismMismatchError: naming every differing field, its values and its ranks, e.g.
+            ``rank 1 has max_grad_norm=10.0 where rank 0 has 1.0``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = {str(k): _plain(v) for k, v in fields.items()}
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    lines = mechanism_differences(per_rank)
+    if lines:
+        raise MechanismMismatchError(
+            "the processes of this run would not run the same private mechanism (rank 0's "
+            "ledger accounts for rank 0's):\n  "
+            + "\n  ".join(lines)
+            + "\nevery process must run the same config (same file, overrides, seed, data and "
+            "code); no step was taken"
+        )
+
+
+def module_digests(module: nn.Module) -> dict[str, str]:
+    """SHA-256 digests of ``module``'s architecture and of its parameters and buffers.
+
+    Returns:
+        ``{"architecture": ..., "initial_parameters": ...}`` (hex, first 16 characters): the
+        architecture from the module tree (``repr``) and every tensor's name, dtype and shape;
+        the parameters from their bytes as well.
+    """
+    arch = hashlib.sha256(repr(module).encode())
+    params = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        head = f"{name}:{t.dtype}:{list(t.shape)};".encode()
+        arch.update(head)
+        params.update(head)
+        data = t.detach().to("cpu").contiguous().reshape(-1)
+        params.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return {"architecture": arch.hexdigest()[:16], "initial_parameters": params.hexdigest()[:16]}

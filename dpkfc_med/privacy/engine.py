@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,13 @@ from dpkfc_med.curvature.factors import LossFn, covered_layers
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
-from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World, check_same_on_every_rank
+from dpkfc_med.privacy.distributed import (
+    ShardedPoissonSampler,
+    World,
+    check_mechanism_on_every_rank,
+    check_same_on_every_rank,
+    module_digests,
+)
 from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
@@ -244,9 +250,11 @@ class PrivacyEngine:
         probe_seed: int = 0,
         max_steps: int | None = None,
         loss_reduction: str = "mean",
+        backward_reduction: str | None = None,
         ledger_path: str | Path | None = None,
         diagnostics: bool = True,
         clipping: Clipping | str = Clipping.PER_SAMPLE,
+        mechanism_extra: Mapping[str, object] | None = None,
     ) -> tuple[PreconditionedGradSampleModule, ScaleThenPrivatizeOptimizer, DataLoader]:
         """Wrap for private training.
 
@@ -276,7 +284,15 @@ class PrivacyEngine:
             refresh_budget: the share of training time ``"auto"`` allows refreshes.
             probe_seed: seed of the first probe batch; refresh ``k`` uses ``probe_seed + k``.
             max_steps: refuse steps beyond this (the privacy plan).
-            loss_reduction: ``"mean"`` or ``"sum"`` of the training loss over the batch.
+            loss_reduction: ``"mean"`` (the noisy sum is divided by the expected batch size,
+                as in Opacus) or ``"sum"`` (it is not).
+            backward_reduction: the reduction of the loss ``backward()`` is called on;
+                default ``loss_reduction``. ``"sum"`` with ``loss_reduction="mean"``: backward
+                on the sum of per-sample losses, update averaged over the expected batch.
+                Then every sample's output error is its own loss gradient whatever the secret
+                batch size ``B``; a batch-mean loss passes ``(1/B) g`` through the network,
+                which low-precision autocast rounds differently for every ``B``, so the
+                per-sample hooks refuse a mean loss under bfloat16 / float16.
             ledger_path: keep the ledger in this JSON file (written before each update).
             diagnostics: record per-step clipping diagnostics.
             clipping: how per-unit norms are computed (:class:`~dpkfc_med.privacy.ghost.
@@ -285,6 +301,13 @@ class PrivacyEngine:
                 transformed rows of every layer that has them) or ``"auto"`` (per layer,
                 whichever costs fewer multiply-adds by the layer's shapes). The clipped sum,
                 the noise and the guarantee are the same in every mode.
+            mechanism_extra: what else defines the mechanism that only the caller knows
+                (e.g. ``{"precision": ..., "unit": ...}``). Over several processes every
+                rank's mechanism -- these fields, the method, ``C``, ``sigma``, ``q``, the
+                units, delta, accountant, clipping, a digest of the network and its initial
+                parameters, ``max_steps`` -- is compared before the first step, and any
+                difference stops the run on every rank
+                (:func:`~dpkfc_med.privacy.distributed.check_mechanism_on_every_rank`).
 
         Returns:
             ``(private_module, private_optimizer, poisson_loader)``.
@@ -309,15 +332,31 @@ class PrivacyEngine:
                 problems.append(
                     f"preconditioner step='natural' with DPAdamBC: {NATURAL_STEP_REFUSED}"
                 )
+        backward_reduction = backward_reduction or loss_reduction
+        if loss_reduction not in ("mean", "sum") or backward_reduction not in ("mean", "sum"):
+            problems.append(
+                f"loss_reduction={loss_reduction!r}, backward_reduction={backward_reduction!r}: "
+                "each must be 'mean' or 'sum'"
+            )
+        elif (loss_reduction, backward_reduction) == ("sum", "mean"):
+            problems.append(
+                "backward_reduction='mean' with loss_reduction='sum' is not a combination: a "
+                "mean loss's update is averaged (loss_reduction='mean')"
+            )
         if problems:
             raise ValueError("invalid privacy settings:\n  " + "\n  ".join(problems))
         check_model_compatible(module)
         if isinstance(module, PreconditionedGradSampleModule):
             gsm = module
             gsm.set_clipping(clipping)
+            if gsm.loss_reduction != backward_reduction:
+                raise ValueError(
+                    f"the wrapped module's hooks expect a {gsm.loss_reduction!r}-reduced loss "
+                    f"but backward_reduction={backward_reduction!r}; wrap the plain module"
+                )
         else:
             gsm = PreconditionedGradSampleModule(
-                module, loss_reduction=loss_reduction, clipping=clipping
+                module, loss_reduction=backward_reduction, clipping=clipping
             )
         self.world = World.current()
         if self.world.distributed and self.seed is not None:
@@ -362,6 +401,28 @@ class PrivacyEngine:
             ghost_rows=gsm.ghost_rows,
         )
         opt.attach_step_hook(self._record_step)
+        if self.world.distributed:  # one mechanism on every rank, checked before any step
+            check_mechanism_on_every_rank(
+                {
+                    "method": self.method,
+                    "max_grad_norm": max_grad_norm,
+                    "noise_multiplier": noise_multiplier,
+                    "sample_rate": self.sample_rate,
+                    "units": n_units,
+                    "expected_batch_size": expected,
+                    "delta": delta,
+                    "loss_reduction": loss_reduction,
+                    "accountant": self.accountant,
+                    "clipping": clipping,
+                    "randomness": self.randomness,
+                    "max_steps": max_steps,
+                    "refresh_every": refresh_every if self.method is Method.DP_KFC else None,
+                    "probe_seed": probe_seed if self.method is Method.DP_KFC else None,
+                    "preconditioner": preconditioner,
+                    **{f"model_{k}": v for k, v in module_digests(gsm._module).items()},
+                    **dict(mechanism_extra or {}),
+                }
+            )
         self.module, self.optimizer = gsm, opt
         ref = next(gsm.parameters(), None)
         if self.noise_generator is not None and ref is not None and ref.device.type != "cpu":

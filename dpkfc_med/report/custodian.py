@@ -168,7 +168,7 @@ def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     custodian["created"] = full.get("created")
     for key in ("history", "training", "data"):
         custodian[key].update(private.get(key, {}))
-    for key in ("metrics", "diagnostics"):
+    for key in ("metrics", "diagnostics", "preconditioner"):
         if key in private:
             custodian[key] = private[key]
     custodian["history"].setdefault("val_metric_name", shareable["history"].get("val_metric_name"))

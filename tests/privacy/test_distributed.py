@@ -1,7 +1,9 @@
 """Private training over 2 gloo processes on loopback: one mechanism, one noise draw, one ledger.
 
 Each test spawns two processes (bounded in time) that run the engine on the same data; the
-results come back through files and are checked against brute force in this process.
+results come back through files and are checked against brute force in this process. Jobs may
+give rank 1 another mechanism (``"rank1"``: clip norm, sigma, model seed, caller's fields),
+which both ranks must refuse before the first step.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -20,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World
+from dpkfc_med.privacy.distributed import (
+    MechanismMismatchError,
+    ShardedPoissonSampler,
+    World,
+    check_mechanism_on_every_rank,
+    mechanism_differences,
+)
 from dpkfc_med.privacy.engine import PrivacyEngine
 from tests.conftest import GaussianProbes, per_sample_ce
 
@@ -32,12 +41,12 @@ def _data():
     return torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g)
 
 
-def _model():
-    torch.manual_seed(1)
+def _model(seed=1):
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
 
 
-def _engine(method, model, *, sigma, seed=5, secure=False, ledger=None):
+def _engine(method, model, *, sigma, seed=5, secure=False, ledger=None, clip=C, extra=None):
     x, y = _data()
     eng = PrivacyEngine(seed=None if secure else seed, secure_mode=secure)
     pm, popt, loader = eng.make_private(
@@ -45,12 +54,13 @@ def _engine(method, model, *, sigma, seed=5, secure=False, ledger=None):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # parameters stay put
         data_loader=DataLoader(TensorDataset(x, y, torch.arange(N)), batch_size=BATCH),
         noise_multiplier=sigma,
-        max_grad_norm=C,
+        max_grad_norm=clip,
         delta=1e-5,
         method=method,
         probe_source=GaussianProbes((12,)),
         probe_loss=per_sample_ce,
         ledger_path=ledger,
+        **({} if extra is None else {"mechanism_extra": extra}),
     )
     return eng, pm, popt, loader
 
@@ -79,12 +89,15 @@ def _run_job(rank, out, job):
     popt = None
     try:
         ledger = out / f"ledger_rank{rank}.json"
+        own = {**job, **job.get("rank1", {})} if rank == 1 else job
         eng, pm, popt, loader = _engine(
             job["method"],
-            _model(),
-            sigma=job["sigma"],
+            _model(own.get("model_seed", 1)),
+            sigma=own["sigma"],
             secure=job.get("secure", False),
             ledger=ledger,
+            clip=own.get("clip", C),
+            extra=own.get("extra"),
         )
         result["world"] = [eng.world.rank, eng.world.size, eng.world.backend]
         result["expected_batch_size"] = popt.expected_batch_size
@@ -103,6 +116,7 @@ def _run_job(rank, out, job):
             result["fingerprint"] = popt.preconditioner.fingerprint()
     except Exception as err:  # the surviving rank of a crash: say what it saw
         result["error"] = f"{type(err).__name__}: {err}"
+        result["refused"] = isinstance(err, MechanismMismatchError)
         result["steps"] = 0 if popt is None else popt.steps_taken
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     return "error" not in result
@@ -155,6 +169,21 @@ JOBS = {
         "steps": 2,
         "zero_loss": True,
         "secure": True,
+    },
+    "agree-extra": {"method": "dp-kfc", "sigma": 1.0, "steps": 1, "extra": {"unit": "patient"}},
+    "differ-clip": {"method": "dp-sgd", "sigma": 1.0, "steps": 1, "rank1": {"clip": 10.0}},
+    "differ-sigma-model": {
+        "method": "dp-kfc",
+        "sigma": 1.0,
+        "steps": 1,
+        "rank1": {"sigma": 0.5, "model_seed": 2},
+    },
+    "differ-extra": {
+        "method": "dp-sgd",
+        "sigma": 1.0,
+        "steps": 1,
+        "extra": {"precision": "float32", "unit": "patient"},
+        "rank1": {"extra": {"precision": "bf16", "unit": "patient"}},
     },
 }
 
@@ -227,6 +256,67 @@ def test_noise_is_drawn_once_and_spent_once(secure, two_ranks):
     _steps(pm, popt, loader, steps=2)
     assert res[0]["sample_rate"] == eng.sample_rate == 1 / 4
     assert res[0]["epsilon"] == pytest.approx(eng.get_epsilon(), rel=1e-12)
+
+
+def test_ranks_with_the_same_mechanism_train(two_ranks):
+    """Identical ranks (caller's fields included) pass the check and take their steps."""
+    folder, results = two_ranks
+    res = results["agree-extra"]
+    assert all("error" not in res[r] and res[r]["steps"] == 1 for r in (0, 1)), res
+
+
+@pytest.mark.parametrize(
+    ("job", "wanted"),
+    [
+        ("differ-clip", [r"rank 1 has max_grad_norm=10\.0 where rank 0 has 1\.0"]),
+        (
+            "differ-sigma-model",
+            [
+                r"rank 1 has noise_multiplier=0\.5 where rank 0 has 1\.0",
+                r"rank 1 has model_initial_parameters='[0-9a-f]{16}' where rank 0 has '[0-9a-f]",
+            ],
+        ),
+        ("differ-extra", [r"rank 1 has precision='bf16' where rank 0 has 'float32'"]),
+    ],
+)
+def test_ranks_with_another_mechanism_are_refused_before_any_step(job, wanted, two_ranks):
+    """Audit defect 5: a rank with C = 10 (or another sigma, initial model, precision) while
+    rank 0 and its ledger say C = 1 stops the run on *both* ranks before the first step,
+    naming the field, the values and the ranks; no ledger step is written."""
+    folder, results = two_ranks
+    res = results[job]
+    for rank in (0, 1):
+        assert res[rank] is not None and res[rank].get("refused"), res
+        assert res[rank]["steps"] == 0
+        assert "every process must run the same config" in res[rank]["error"]
+        for pattern in wanted:
+            assert re.search(pattern, res[rank]["error"]), (pattern, res[rank]["error"])
+    assert res[0]["error"] == res[1]["error"]  # one verdict, on every rank
+    ledger = folder / job / "ledger_rank0.json"
+    assert not ledger.exists() or json.loads(ledger.read_text())["steps"] == 0
+    if job == "differ-sigma-model":  # the other fields agree and are not named
+        assert "max_grad_norm" not in res[0]["error"]
+        assert "model_architecture" not in res[0]["error"]
+
+
+def test_mechanism_differences_name_every_field_value_and_rank():
+    base = {"max_grad_norm": 1.0, "sample_rate": 0.25, "precision": "float32"}
+    per_rank = [
+        base,
+        {**base, "max_grad_norm": 10.0},
+        {**base, "max_grad_norm": 10.0, "sample_rate": 0.5},
+        {k: v for k, v in base.items() if k != "precision"},
+    ]
+    assert mechanism_differences(per_rank) == [
+        "ranks 1, 2 have max_grad_norm=10.0 where rank 0 has 1.0",
+        "rank 2 has sample_rate=0.5 where rank 0 has 0.25",
+        "rank 3 has no precision where rank 0 has 'float32'",
+    ]
+    assert mechanism_differences([base, dict(base), {**base, "x": float("nan")}]) == [
+        "rank 2 has x=nan where rank 0 has none"
+    ]
+    assert mechanism_differences([{"x": float("nan")}, {"x": float("nan")}]) == []
+    check_mechanism_on_every_rank({"max_grad_norm": 1.0})  # one process: nothing to compare
 
 
 def test_a_crashed_rank_leaves_a_ledger_that_covers_every_release(tmp_path):

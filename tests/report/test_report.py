@@ -246,7 +246,7 @@ def test_example_report_is_valid():
         ({"privacy__delta": math.nan}, r"privacy\.delta: must be a number in \(0, 1\)"),
         ({"schema": "other/2"}, r"schema: must be 'dpkfc_med\.privacy_report/2'"),
         ({"status": "complet"}, r"status: must be one of .*\(did you mean 'complete'\?\)"),
-        ({"created": "yesterday"}, r"created: must be an ISO-8601 date-time"),
+        ({"created": "yesterday"}, r"created: must be an ISO-8601 date or date-time"),
         ({"run__config_sha256": "abc"}, r"run\.config_sha256: must be a 64-character hex"),
         ({"task__spatial_dims": 4}, r"task\.spatial_dims: must be one of 2, 3, got 4"),
         ({"task__label_names": ["a"]}, r"task\.label_names: must have num_classes=2 entries"),
@@ -643,7 +643,7 @@ def test_headline_banners_audit_unit_note_and_eig_fallbacks_are_rendered():
     report = example_report()
     report["privacy"]["headline_warnings"] = [
         "NOT A VALID DP RELEASE: seeded noise.",
-        "The RDP cross-check gives epsilon 2.100, above the target 2.000.",
+        "PRECONDITIONER USES PRIVATE DATA: the public proxy shares images.",
     ]
     report["audit"] = {
         "epsilon_lower_bound": 0.41234,
@@ -661,7 +661,9 @@ def test_headline_banners_audit_unit_note_and_eig_fallbacks_are_rendered():
     md = render_markdown(report)
     blocks = md.split("\n\n")
     assert blocks[1] == "> **NOT A VALID DP RELEASE:** NOT A VALID DP RELEASE: seeded noise."
-    assert blocks[2].startswith("> **Accountants disagree:** The RDP cross-check")
+    assert blocks[2].startswith("> **PRECONDITIONER USES PRIVATE DATA:** PRECONDITIONER")
+    # the cross-check accountants are information on a neutral line, never a banner
+    assert "Other accountants, for reference" in md and "disagree" not in md
     assert (
         "| Empirical privacy audit | empirical lower bound 0.413 against the accounted 1.235 "
         "(one-run canary audit, 1000 canaries, confidence 0.95) |"

@@ -296,7 +296,9 @@ def test_public_proxy_is_labelled_as_external_data(tmp_path):
     assert main(["train", str(cfg), "--out", str(out)]) == 0
     pre = _report(out)["preconditioner"]
     assert pre["uses_private_data"] is False
-    assert pre["external_data"]["path"].endswith("public_xrays.npz")
+    assert "path" not in pre["external_data"]  # paths stay in the custodian report
+    custodian = json.loads((out / "private_not_for_release/custodian_report.json").read_text())
+    assert custodian["preconditioner"]["external_data"]["path"].endswith("public_xrays.npz")
     assert len(pre["external_data"]["sha256"]) == 64
     assert pre["probe_source"]["overlap_with_private_train"] == 0
     assert pre["probe_source"]["same_dataset_as_private"] is None
