@@ -356,6 +356,11 @@ def train_loss(outputs: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(outputs, targets)
 
 
+def summed_train_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Sum over the batch of the per-sample loss (our engines' backward)."""
+    return probe_loss(outputs, targets).sum()
+
+
 def probe_loss(outputs: Tensor, targets: Tensor) -> Tensor:
     """Per-sample loss ``[M]`` on probes: cross-entropy (mean over voxels for segmentation)."""
     loss = F.cross_entropy(outputs, targets, reduction="none")
@@ -546,7 +551,13 @@ def setup_method(
         from dpkfc_med.privacy.engine import PrivacyEngine
 
         engine = PrivacyEngine(seed=seed)
-        kwargs: dict[str, Any] = {"clipping": CLIPPING.get(method, "auto")}
+        # as the training loop: backward on the sum of per-sample losses, update averaged over
+        # the expected batch (exact per-sample errors under bf16, whatever the batch size)
+        kwargs: dict[str, Any] = {
+            "clipping": CLIPPING.get(method, "auto"),
+            "backward_reduction": "sum",
+        }
+        loss_fn = summed_train_loss
         if method.startswith("dp-kfc"):
             from dpkfc_med.curvature.preconditioner import PreconditionerConfig
             from dpkfc_med.probes import ImageProbeSource

@@ -254,9 +254,10 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
                 "see the same batch once per step (take a step after every backward pass)"
             )
         n = sizes[0] if sizes else 0
-        if n == 0:
-            sq = torch.zeros(0, len(grads))
-            norms = torch.zeros(0)
+        if n == 0:  # an empty batch: nothing to clip, on the parameters' device
+            device = self.params[0].device
+            sq = torch.zeros(0, len(grads), device=device)
+            norms = torch.zeros(0, device=device)
         else:
             # Same arithmetic as Opacus (per-parameter norms, then their norm), so DP-SGD
             # through this optimizer is Opacus' step on the same per-sample gradients.
