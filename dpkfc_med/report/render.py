@@ -389,8 +389,10 @@ def headline(report: Mapping[str, Any]) -> list[Block]:
     has a larger RDP bound).
     """
     p = report["privacy"]
+    if not p["private"]:
+        return []  # the NO PRIVACY GUARANTEE banner is the verdict
     verdict, _ = _release_verdict(report)
-    if not p["private"] or (p.get("randomness") or {}).get("source") == "seeded":
+    if (p.get("randomness") or {}).get("source") == "seeded":
         return [Paragraph((Span(verdict[0], "strong"), " " + verdict[1]))]
     eps, acc = p["epsilon"], p["accountant"]
     unit = report["data"]["privacy_unit"]

@@ -678,9 +678,8 @@ def _check_shareable(data: Mapping[str, Any], problems: list[str]) -> None:
             node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
         if node is not _ABSENT:
             problems.append(
-                f"{dotted}: must not be in the shareable report ({what}: computed from private "
-                "records without noise); it belongs in the custodian report "
-                "(dpkfc_med.report.split_report)"
+                f"{dotted}: must not be in the shareable report ({what}); it belongs in the "
+                "custodian report (dpkfc_med.report.split_report)"
             )
 
 
