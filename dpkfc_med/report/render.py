@@ -398,12 +398,12 @@ def headline(report: Mapping[str, Any]) -> list[Block]:
     unit = report["data"]["privacy_unit"]
     line = (
         Span(verdict[0].rstrip(","), "strong"),
-        f": epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])} per {unit} "
-        f"({_ACCOUNTANTS[acc]}, the accountant this run was planned with and the figure the "
-        "guarantee states).",
+        f": epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])} per {unit}, "
+        f"by the {acc.upper()} accountant that planned this run; this is the figure the "
+        "guarantee states.",
     )
     others = [
-        f"{_ACCOUNTANTS[name]} {format_epsilon(eps[name])}"
+        f"{name.upper()} {format_epsilon(eps[name])}"
         for name in ("prv", "rdp", "pld")
         if name != acc
     ]
@@ -582,10 +582,14 @@ def _audit(report: Mapping[str, Any]) -> list[Block]:
     return [
         Heading(2, "Empirical privacy audit"),
         Paragraph(
-            "A one-run audit (Steinke, Nasr and Jagielski 2023) ran this mechanism with "
-            "white-box gradient canaries, each included with probability 1/2, and turned the "
-            "correct membership guesses into a statistical lower bound on epsilon. A lower bound "
-            "below the accounted epsilon is expected; one above it would show a broken mechanism."
+            "A one-run audit ran this mechanism with white-box gradient canaries, each included "
+            "with probability 1/2, and turned the correct membership guesses into a statistical "
+            "lower bound on epsilon: a test of the accounted plan's trade-off curve (f-DP, "
+            "Mahloujifar, Melis and Chaudhuri 2025), with the bound of Steinke, Nasr and "
+            "Jagielski (2023) as a cross-check. A lower bound below the accounted epsilon is "
+            "expected; one above it would show a broken mechanism. The ceiling is the largest "
+            "bound the audit's settings could show: below the accounted epsilon it cannot "
+            "refute anything."
         ),
         _kv(rows),
     ]
