@@ -21,7 +21,7 @@ METHODS = {
 C = 0.5
 
 
-def _private(method: str, device: str, clipping: str, n: int = 24):
+def _private(method: str, device: str, clipping: str, n: int = 24, backward: str = "sum"):
     kind, pre = METHODS[method]
     torch.manual_seed(3)
     net = tiny_cnn_2d().to(device)  # conv, conv + GroupNorm, linear
@@ -39,7 +39,7 @@ def _private(method: str, device: str, clipping: str, n: int = 24):
         probe_loss=per_sample_ce,
         preconditioner=pre,
         clipping=clipping,
-        backward_reduction="sum",
+        backward_reduction=backward,
     )
     return pm, popt, x.to(device), y.to(device)
 
@@ -131,21 +131,7 @@ def test_bf16_sensitivity_does_not_grow_with_the_batch_size(method, clipping, de
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_bf16_mean_loss_is_refused(method):
     """A batch-mean loss under bf16 carries (1/B) g rounded to bf16: the hooks refuse it."""
-    kind, pre = METHODS[method]
-    net = tiny_cnn_2d()
-    x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 3, (24,))
-    pm, popt, _ = PrivacyEngine(seed=1).make_private(
-        module=net,
-        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0,
-        max_grad_norm=C,
-        delta=1e-5,
-        method=kind,
-        probe_source=GaussianProbes((1, 8, 8), num_classes=3),
-        probe_loss=per_sample_ce,
-        preconditioner=pre,
-    )
+    pm, popt, x, y = _private(method, "cpu", "per_sample", backward="mean")
     with forward_autocast(Precision.BF16, x.device):
         out = pm(x)
     with pytest.raises(RuntimeError, match=r"batch-mean loss.*backward_reduction='sum'"):
