@@ -33,29 +33,55 @@ an ``(epsilon, delta)``-DP mechanism gives
     P[W \ge v] \le f(v) + 2 M \delta \max_{i = 1..v} \frac{f(v - i) - f(v)}{i},
 
 and every epsilon whose right-hand side is at most ``1 - confidence`` is refuted.
+
+That bound alone cannot refute large epsilons: with ``M = 5000`` canaries and ``delta = 1e-5``
+even all-correct guesses give at most 5.92, and no ``M`` gives much more than 8. When the
+accounted mechanism is known (:class:`GaussianPlan`: ``T`` Poisson-subsampled Gaussian steps),
+the audit therefore tests the plan's whole trade-off curve (:func:`fdp_refutes`, Mahloujifar,
+Melis & Chaudhuri, "Auditing f-differential privacy in one run", ICML 2025, arXiv:2410.22235):
+for ``f``-DP, each guess is wrong with probability at least ``f(1 - p)`` when right with
+probability ``p``, and their recursion over the number of correct guesses bounds how likely
+``v`` of ``r`` correct guesses are. The claim tested is "the run is the subsampled Gaussian
+mechanism with the plan's ``q`` and ``T`` and noise multiplier ``sigma'``"; the lower bound is
+the epsilon (at the run's delta, by the run's accountant) of the noisiest such plan that the
+guesses refute, and the verdict is the test of the accounted ``sigma`` itself.
+
+Ceiling (``max_bound``): the bound the settings could show at best, when every guess at the
+best guess count is correct. A ceiling at or below the accounted epsilon means the audit
+*cannot refute* the claim whatever the mechanism does (verdict ``"cannot refute"``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from scipy import stats
+from scipy.special import ndtr, ndtri
 from torch import Tensor
 
 __all__ = [
     "DEFAULT_CONFIDENCE",
     "AuditResult",
     "DiracCanaries",
+    "GaussianPlan",
+    "Verdict",
     "audit_scores",
+    "default_canaries",
     "epsilon_lower_bound",
+    "fdp_refutes",
+    "gaussian_tradeoff_inverse",
     "guess_counts",
+    "max_bound",
     "one_run_p_value",
+    "plan_tradeoff_inverse",
+    "verdict_of",
 ]
 
 DEFAULT_CONFIDENCE = 0.95
@@ -64,6 +90,10 @@ DEFAULT_CONFIDENCE = 0.95
 GUESS_GRID = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 """Candidate guess counts ``k`` per side (``k+ = k- = k``), before limiting to ``2 k <= M``."""
 
+_FDP_EPS_GRID = np.arange(0.0, 60.0001, 0.1)  # epsilons of the plan's delta(eps) profile
+_FDP_DISCRETIZATION = 1e-2  # PLD value discretization (pessimistic: coarser only weakens the test)
+_FDP_SIGMA_RANGE = (1 / 8, 64.0)  # searched noise multipliers, relative to the plan's
+_FDP_BISECTIONS = 14  # in log(sigma): relative precision ~ 2^-14 * log(512) ~ 0.04 %
 _EPS_STEP = 0.05  # grid step of the scan for the first epsilon that is not refuted
 _EPS_MAX = 100.0  # far beyond anything M <= 10^6 guesses can refute
 _BISECTIONS = 30
@@ -73,6 +103,20 @@ BOUND_SOURCE = (
     "(arXiv:2305.08846), Theorem 3 (approximate DP: binomial tail plus the 2 M delta term); "
     "computed with scipy.stats.binom in dpkfc_med.privacy.audit"
 )
+FDP_BOUND_SOURCE = (
+    "Mahloujifar, Melis & Chaudhuri 2025, 'Auditing f-differential privacy in one run' "
+    "(arXiv:2410.22235), the recursion with abstentions, tested against the trade-off curve of "
+    "the accounted Poisson-subsampled Gaussian plan (dp_accounting PLD, pessimistic) with the "
+    "plan's q and T and the noise multiplier varied; computed in dpkfc_med.privacy.audit"
+)
+# Why not a library for the f-DP test: the authors' implementation ships in Meta's PrivacyGuard
+# (PyPI ``privacyguard-platform`` 0.0.x), which pulls transformers, plotly, ipywidgets and
+# pytest as run-time dependencies and tests Gaussian (mu-GDP) curves only, on a fixed linear
+# grid of noises. A mu-GDP reading is not sound here: the subsampled Gaussian at epsilon 8 is
+# not mu-GDP for the mu that matches its (epsilon, delta) (its tail is heavier), so a correct run
+# could read "refuted". The recursion is a dozen lines of numpy; tests check its false-
+# refutation rate exactly on randomized response and by simulation on Gaussian mechanisms.
+
 # Why not a library: jax_privacy.auditing implements this bound but ``import
 # jax_privacy.auditing`` runs jax_privacy/__init__.py, which imports JAX (a ~600 MB install
 # this project does not otherwise need), and its one-run audit guesses one side only (k- = 0);
@@ -183,6 +227,152 @@ def epsilon_lower_bound(
     return lo
 
 
+class Verdict:
+    """The three readings of an audit (plain strings in the records)."""
+
+    REFUTED = "REFUTED"
+    CONSISTENT = "consistent"
+    CANNOT_REFUTE = "cannot refute"
+
+
+@dataclass(frozen=True)
+class GaussianPlan:
+    """The accounted mechanism: ``steps`` Poisson-subsampled Gaussian steps (public settings).
+
+    Attributes:
+        sample_rate: ``q``, the Poisson sample rate.
+        noise_multiplier: ``sigma``, the accounted noise std over the clip norm.
+        steps: ``T``, the number of noisy steps.
+        accountant: the accountant that turns a plan into epsilon (``prv``, ``rdp``, ``pld``).
+    """
+
+    sample_rate: float
+    noise_multiplier: float
+    steps: int
+    accountant: str = "prv"
+
+    def epsilon(self, delta: float, noise_multiplier: float | None = None) -> float:
+        """Epsilon at ``delta`` of this plan, or of it with another noise multiplier."""
+        from dpkfc_med.privacy.accounting import GaussianSteps, epsilon_for
+
+        sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        return float(
+            epsilon_for(
+                [GaussianSteps(self.sample_rate, float(sigma), int(self.steps))],
+                delta,
+                self.accountant,
+            )
+        )
+
+
+TradeoffInverse = Callable[[np.ndarray], np.ndarray]
+"""``x -> f(1 - x)`` for a symmetric trade-off curve ``f``: the least probability of a wrong
+guess on one canary for a mechanism that is ``f``-DP, given the probability ``x`` of a right one
+(convex and increasing)."""
+
+
+def gaussian_tradeoff_inverse(mu: float) -> TradeoffInverse:
+    """``x -> Phi(Phi^-1(x) - mu)``: :data:`TradeoffInverse` of ``mu``-GDP (Dong, Roth & Su)."""
+    return lambda x: ndtr(ndtri(np.clip(x, 0.0, 1.0)) - mu)
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_pieces(sample_rate: float, sigma: float, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    dist = pld.from_gaussian_mechanism(
+        standard_deviation=sigma,
+        sampling_prob=sample_rate,
+        value_discretization_interval=_FDP_DISCRETIZATION,
+    ).self_compose(steps)
+    # max over the add and the remove direction: valid for both, as the lemma needs
+    delta = np.asarray(dist.get_delta_for_epsilon(_FDP_EPS_GRID), dtype=np.float64)
+    return _FDP_EPS_GRID.copy(), np.minimum(delta, 1.0)
+
+
+@functools.lru_cache(maxsize=512)
+def plan_tradeoff_inverse(
+    sample_rate: float, noise_multiplier: float, steps: int
+) -> TradeoffInverse:
+    r""":data:`TradeoffInverse` of ``steps`` Poisson-subsampled Gaussian steps.
+
+    From the mechanism's privacy profile ``delta(eps)`` (both neighbouring directions) on a grid
+    of epsilons: every event ``E`` has
+    :math:`P_0(E) \ge e^{-\varepsilon}(P_1(E) - \delta(\varepsilon))` and
+    :math:`P_0(E) \ge 1 - \delta(\varepsilon) - e^{\varepsilon}(1 - P_1(E))`, so
+
+    .. math::
+
+        f(1 - x) \ge \max\Big(0, \max_{\varepsilon} e^{-\varepsilon}(x - \delta(\varepsilon)),
+        \max_{\varepsilon} 1 - \delta(\varepsilon) - e^{\varepsilon}(1 - x)\Big).
+
+    A finite grid and a pessimistic ``delta`` only lower this curve, which weakens the test and
+    never makes a correct mechanism look refuted.
+    """
+    eps, delta = _plan_pieces(float(sample_rate), float(noise_multiplier), int(steps))
+    shrink, grow = np.exp(-eps), np.exp(eps)
+    keep = grow < 1e300
+    # keep the pieces that are the maximum somewhere on a dense grid of x (a subset of the
+    # pieces only lowers the curve, so the test stays valid; it is ~10x faster)
+    x = np.concatenate([np.geomspace(1e-12, 0.5, 4000), 1.0 - np.geomspace(1e-12, 0.5, 4000)])
+    a = (x[:, None] - delta) * shrink
+    b = np.where(keep, 1.0 - delta - grow * (1.0 - x[:, None]), -np.inf)
+    use_a = np.unique(a.argmax(axis=1))
+    use_b = np.unique(b.argmax(axis=1))
+    delta_a, shrink = delta[use_a], shrink[use_a]
+    delta_b, grow = delta[use_b], grow[use_b]
+
+    def inverse(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)[..., None]
+        a = ((x - delta_a) * shrink).max(axis=-1)
+        b = (1.0 - delta_b - grow * (1.0 - x)).max(axis=-1)
+        return np.maximum(np.maximum(a, b), 0.0)
+
+    return inverse
+
+
+def fdp_refutes(
+    inverse: TradeoffInverse, *, canaries: int, guesses: int, correct: int, significance: float
+) -> bool:
+    """Whether ``correct`` of ``guesses`` refutes ``f``-DP at ``significance``.
+
+    The numerical test of Mahloujifar, Melis & Chaudhuri (2025) with abstentions, for a binary
+    secret per canary: suppose ``P[at least v correct] >= significance``; spread that mass over
+    the right (``r``) and wrong (``h``) guesses, per canary, in the proportions observed
+    (``r_v = t v / r'``, ``h_v = t (r' - v) / r'`` with ``t = significance * r' / m``), then
+    walk down to zero correct guesses, each step needing at least
+    ``h_i = max(h_{i+1}, f(1 - r_{i+1}))`` wrong-guess mass and
+    ``r_i = r_{i+1} + i / (r' - i) * (h_i - h_{i+1})`` right-guess mass. If the mass needed,
+    ``r_0 + h_0``, exceeds what ``r'`` guesses on ``m`` canaries hold (``r' / m``), no ``f``-DP
+    mechanism makes the outcome that likely: the claim is refuted.
+
+    Args:
+        inverse: :data:`TradeoffInverse` of the claim under test.
+        canaries: ``m``.
+        guesses: ``r'``, guesses made (abstentions excluded).
+        correct: ``v``, correct guesses among them.
+        significance: the allowed probability of refuting a true claim.
+
+    Returns:
+        ``True`` when the claim is refuted.
+    """
+    _check_counts(canaries, guesses, correct)
+    _check_probability("significance", significance, open_low=True)
+    if correct == 0:
+        return False
+    total = guesses / canaries
+    mass = significance * total
+    r = mass * correct / guesses
+    h = mass * (guesses - correct) / guesses
+    for i in range(correct - 1, -1, -1):
+        h_next = max(h, float(inverse(np.array(r))))
+        r += i / (guesses - i) * (h_next - h)
+        h = h_next
+        if r + h > total:  # the mass only grows on the way down
+            return True
+    return False
+
+
 def guess_counts(canaries: int) -> tuple[int, ...]:
     """The guess counts ``k`` (per side) tried for ``canaries`` canaries.
 
@@ -216,6 +406,16 @@ class AuditResult:
         candidates: every guess count tried, with its guesses, correct guesses and bound.
         guess_rule: how guesses and the guess count were chosen (for the record).
         bound: the theorem and implementation used.
+        max_bound: the ceiling: the bound if every guess at the best guess count were correct
+            (the largest bound these settings can ever report).
+        epsilon_accounted: the accounted epsilon compared with, when given.
+        verdict: :class:`Verdict` ``REFUTED`` / ``consistent`` / ``cannot refute`` (``""``
+            without an accounted epsilon).
+        test: ``"f-DP"`` (the plan's trade-off curve) or ``"Steinke"`` (Theorem 3 only).
+        steinke_lower_bound: Theorem 3's bound on the same guesses (a cross-check).
+        steinke_max_bound: Theorem 3's ceiling.
+        noise_multiplier_refuted: with the f-DP test, the noisiest plan (same ``q``, ``T``)
+            that the guesses refute; ``None`` when none is.
     """
 
     epsilon_lower_bound: float
@@ -230,10 +430,121 @@ class AuditResult:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     guess_rule: str = ""
     bound: str = BOUND_SOURCE
+    max_bound: float = math.nan
+    epsilon_accounted: float | None = None
+    verdict: str = ""
+    test: str = "Steinke"
+    steinke_lower_bound: float = math.nan
+    steinke_max_bound: float = math.nan
+    noise_multiplier_refuted: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
         return asdict(self)
+
+
+def verdict_of(*, refuted: bool, can_refute: bool) -> str:
+    """:class:`Verdict` from whether the claim is refuted and whether it could have been."""
+    if refuted:
+        return Verdict.REFUTED
+    return Verdict.CONSISTENT if can_refute else Verdict.CANNOT_REFUTE
+
+
+def max_bound(
+    canaries: int,
+    *,
+    delta: float,
+    confidence: float = DEFAULT_CONFIDENCE,
+    counts: Sequence[int] | None = None,
+    plan: GaussianPlan | None = None,
+) -> float:
+    """The audit's ceiling: its bound when every guess at the best guess count is correct.
+
+    Decided by public settings only (``M``, the guess grid, ``delta``, the confidence and, for
+    the f-DP test, the plan's ``q`` and ``T``). When it does not exceed the accounted epsilon
+    the audit cannot refute the claim, whatever the run does.
+    """
+    return _max_bound(canaries, float(delta), float(confidence), _counts(canaries, counts), plan)
+
+
+@functools.lru_cache(maxsize=64)
+def _max_bound(
+    canaries: int, delta: float, confidence: float, ks: tuple[int, ...], plan: GaussianPlan | None
+) -> float:
+    per_choice = 1.0 - (1.0 - confidence) / len(ks)
+    if plan is None:
+        return max(
+            epsilon_lower_bound(
+                canaries=canaries, guesses=2 * k, correct=2 * k, delta=delta, confidence=per_choice
+            )
+            for k in ks
+        )
+    outcomes = [(2 * k, 2 * k) for k in ks]
+    return _fdp_bound(plan, canaries, outcomes, 1.0 - per_choice, delta)[0]
+
+
+def _counts(m: int, counts: Sequence[int] | None) -> tuple[int, ...]:
+    ks = tuple(guess_counts(m) if counts is None else counts)
+    bad = [k for k in ks if not (isinstance(k, (int, np.integer)) and 1 <= k and 2 * k <= m)]
+    if not ks or bad:
+        raise ValueError(
+            f"counts={list(ks)}: each must be an integer k with 1 <= k <= M/2 = {m // 2}"
+        )
+    return tuple(int(k) for k in ks)
+
+
+def _refutes_plan(
+    plan: GaussianPlan,
+    sigma: float,
+    canaries: int,
+    outcomes: Sequence[tuple[int, int]],
+    significance: float,
+) -> bool:
+    inverse = plan_tradeoff_inverse(plan.sample_rate, sigma, plan.steps)
+    return any(
+        fdp_refutes(inverse, canaries=canaries, guesses=g, correct=c, significance=significance)
+        for g, c in outcomes
+    )
+
+
+def _fdp_bound(
+    plan: GaussianPlan,
+    canaries: int,
+    outcomes: Sequence[tuple[int, int]],
+    significance: float,
+    delta: float,
+) -> tuple[float, float | None]:
+    """(epsilon of the noisiest refuted plan, its noise multiplier); ``(0, None)`` if none.
+
+    More noise is a stronger claim, easier to refute, so the refuted noise multipliers form
+    an interval upwards; the bisection (in log sigma) keeps a refuted ``hi``, and the bound is
+    the epsilon of ``hi``: never more than the epsilon of the exact boundary.
+    """
+
+    def refuted(sigma: float) -> bool:
+        return _refutes_plan(plan, sigma, canaries, outcomes, significance)
+
+    sigma0 = float(plan.noise_multiplier)
+    lo, hi = sigma0 * _FDP_SIGMA_RANGE[0], sigma0 * _FDP_SIGMA_RANGE[1]
+    if refuted(sigma0):
+        hi = sigma0
+        if refuted(lo):  # beyond the searched range: report its (huge) epsilon, an underestimate
+            return _plan_epsilon(plan, delta, lo), lo
+    else:
+        lo = sigma0
+        if not refuted(hi):
+            return 0.0, None
+    for _ in range(_FDP_BISECTIONS):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if refuted(mid) else (mid, hi)
+    return _plan_epsilon(plan, delta, hi), hi
+
+
+def _plan_epsilon(plan: GaussianPlan, delta: float, sigma: float) -> float:
+    try:
+        return plan.epsilon(delta, sigma)
+    except Exception:  # pragma: no cover - an accountant outside its domain: the PLD answers
+        return GaussianPlan(plan.sample_rate, sigma, plan.steps, "pld").epsilon(delta)
 
 
 def audit_scores(
@@ -243,6 +554,8 @@ def audit_scores(
     delta: float,
     confidence: float = DEFAULT_CONFIDENCE,
     counts: Sequence[int] | None = None,
+    plan: GaussianPlan | None = None,
+    epsilon_accounted: float | None = None,
 ) -> AuditResult:
     """Guess from canary scores and bound epsilon from the correct guesses.
 
@@ -251,15 +564,22 @@ def audit_scores(
     (Bonferroni) and the best bound is reported. Ties are broken by canary index, which is
     independent of inclusion.
 
+    With ``plan`` (the accounted mechanism), the test is the f-DP one against the plan's
+    trade-off curve (module docstring); the verdict is the test of the plan itself and the
+    accounted epsilon defaults to the plan's. Without it, Theorem 3 of Steinke et al. bounds
+    epsilon, and the verdict compares the bound with ``epsilon_accounted`` when given.
+
     Args:
         scores: ``[M]`` canary scores (higher: more likely included).
         included: ``[M]`` booleans, the secret inclusion of each canary.
         delta: the delta of the claim under test.
         confidence: overall confidence of the reported bound.
         counts: guess counts per side; default :func:`guess_counts` of ``M``.
+        plan: the accounted Poisson-subsampled Gaussian mechanism (f-DP test).
+        epsilon_accounted: the accounted epsilon at ``delta`` (default: the plan's).
 
     Returns:
-        The :class:`AuditResult`.
+        The :class:`AuditResult`, with the ceiling and the verdict.
     """
     s = np.asarray(scores, dtype=np.float64)
     inc = np.asarray(included, dtype=bool)
@@ -271,17 +591,12 @@ def audit_scores(
     if not np.all(np.isfinite(s)):
         raise ValueError("scores: non-finite values (the training run diverged?)")
     _check_probability("confidence", confidence, open_low=True)
-    ks = tuple(guess_counts(m) if counts is None else counts)
-    bad = [k for k in ks if not (isinstance(k, (int, np.integer)) and 1 <= k and 2 * k <= m)]
-    if not ks or bad:
-        raise ValueError(
-            f"counts={list(ks)}: each must be an integer k with 1 <= k <= M/2 = {m // 2}"
-        )
+    ks = _counts(m, counts)
     per_choice = 1.0 - (1.0 - confidence) / len(ks)
+    significance = 1.0 - per_choice
     order = np.argsort(s, kind="stable")
-    candidates = []
+    candidates: list[dict[str, Any]] = []
     for k in ks:
-        k = int(k)
         correct = int(inc[order[m - k :]].sum() + (~inc[order[:k]]).sum())
         eps = epsilon_lower_bound(
             canaries=m, guesses=2 * k, correct=correct, delta=delta, confidence=per_choice
@@ -289,25 +604,110 @@ def audit_scores(
         candidates.append(
             {"k_plus": k, "k_minus": k, "guesses": 2 * k, "correct": correct, "epsilon": eps}
         )
-    best = max(candidates, key=lambda c: (c["epsilon"], -c["guesses"]))
+    steinke_best = max(candidates, key=lambda c: (c["epsilon"], -c["guesses"]))
+    steinke_lower = float(steinke_best["epsilon"])
+    steinke_ceiling = max_bound(m, delta=delta, confidence=confidence, counts=ks)
     rule = (
         f"k+ = k- = k highest / lowest scores, abstain on the rest; k in {list(ks)} fixed "
         f"before the run; each k tested at confidence {per_choice:.6g} (Bonferroni split of "
         f"{confidence:g} over {len(ks)} choices); the best bound is reported"
     )
+    common: dict[str, Any] = {
+        "confidence": confidence,
+        "delta": delta,
+        "canaries": m,
+        "included": int(inc.sum()),
+        "guess_rule": rule,
+        "steinke_lower_bound": steinke_lower,
+        "steinke_max_bound": steinke_ceiling,
+    }
+    if plan is None:
+        verdict = ""
+        if epsilon_accounted is not None:
+            verdict = verdict_of(
+                refuted=steinke_lower > epsilon_accounted,
+                can_refute=steinke_ceiling > epsilon_accounted,
+            )
+        return AuditResult(
+            epsilon_lower_bound=steinke_lower,
+            guesses=int(steinke_best["guesses"]),
+            correct=int(steinke_best["correct"]),
+            k_plus=int(steinke_best["k_plus"]),
+            k_minus=int(steinke_best["k_minus"]),
+            candidates=candidates,
+            max_bound=steinke_ceiling,
+            epsilon_accounted=epsilon_accounted,
+            verdict=verdict,
+            **common,
+        )
+    accounted = plan.epsilon(delta) if epsilon_accounted is None else epsilon_accounted
+    outcomes = [(c["guesses"], c["correct"]) for c in candidates]
+    lower, sigma_hat = _fdp_bound(plan, m, outcomes, significance, delta)
+    ceiling = max_bound(m, delta=delta, confidence=confidence, counts=ks, plan=plan)
+    sigma0 = plan.noise_multiplier
+    at_plan = plan_tradeoff_inverse(plan.sample_rate, sigma0, plan.steps)
+    at_bound = plan_tradeoff_inverse(plan.sample_rate, sigma_hat, plan.steps) if sigma_hat else None
+    for c in candidates:
+        c["epsilon_steinke"] = c.pop("epsilon")
+        kw: dict[str, Any] = {"canaries": m, "guesses": c["guesses"], "correct": c["correct"]}
+        c["refutes_plan"] = fdp_refutes(at_plan, significance=significance, **kw)
+        c["refutes_bound"] = at_bound is not None and fdp_refutes(
+            at_bound, significance=significance, **kw
+        )
+    best = next((c for c in candidates if c["refutes_bound"]), steinke_best)
+    can_refute = _refutes_plan(plan, sigma0, m, [(2 * k, 2 * k) for k in ks], significance)
     return AuditResult(
-        epsilon_lower_bound=float(best["epsilon"]),
-        confidence=confidence,
-        delta=delta,
-        canaries=m,
-        included=int(inc.sum()),
+        epsilon_lower_bound=lower,
         guesses=int(best["guesses"]),
         correct=int(best["correct"]),
         k_plus=int(best["k_plus"]),
         k_minus=int(best["k_minus"]),
         candidates=candidates,
-        guess_rule=rule,
+        bound=FDP_BOUND_SOURCE,
+        max_bound=ceiling,
+        epsilon_accounted=accounted,
+        verdict=verdict_of(
+            refuted=any(c["refutes_plan"] for c in candidates), can_refute=can_refute
+        ),
+        test="f-DP",
+        noise_multiplier_refuted=sigma_hat,
+        **common,
     )
+
+
+DETREND_WINDOW = 21
+"""Steps in the running median that :meth:`DiracCanaries.detrended_scores` subtracts."""
+
+SPARSE_RATE = 0.1
+"""Largest sample rate ``q`` for which :meth:`DiracCanaries.detrended_scores` is used."""
+
+DEFAULT_CANARY_CHOICES = (5000, 10000, 20000)
+"""Canary counts tried, in order, by :func:`default_canaries`."""
+
+
+def default_canaries(
+    plan: GaussianPlan,
+    *,
+    coordinates: int,
+    delta: float,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> int:
+    """The fewest canaries of :data:`DEFAULT_CANARY_CHOICES` whose audit can refute ``plan``.
+
+    Public settings only: the first ``M`` (at most ``coordinates``, one per trainable
+    coordinate) whose all-correct outcome refutes the plan (ceiling above its epsilon); else
+    the largest that fits.
+    """
+    fits = [m for m in DEFAULT_CANARY_CHOICES if m <= coordinates] or [coordinates]
+    for m in fits:
+        if m < 2:
+            break
+        ks = guess_counts(m)
+        significance = (1.0 - confidence) / len(ks)
+        outcomes = [(2 * k, 2 * k) for k in ks]
+        if _refutes_plan(plan, plan.noise_multiplier, m, outcomes, significance):
+            return m
+    return fits[-1]
 
 
 def _os_rng() -> np.random.Generator:
@@ -358,7 +758,9 @@ class DiracCanaries:
         self.rng = rng if rng is not None else _os_rng()
         self.included = self.rng.random(self.num) < 0.5
         self.scores = np.zeros(self.num)
+        self._released: list[np.ndarray] = []  # [M] per noisy step, for the detrended score
         self.coordinates = np.zeros(self.num, dtype=np.int64)
+        self.placement = ""
         self.sample_rate = 0.0
         self.clip_norm = 0.0
         self.steps_injected = 0
@@ -392,8 +794,19 @@ class DiracCanaries:
                 f"canaries={self.num}: the model has only {total} trainable coordinates and "
                 f"each canary needs its own; use at most {total} canaries"
             )
-        self.coordinates = np.sort(self.rng.choice(total, size=self.num, replace=False))
         starts = np.concatenate([[0], np.cumsum(sizes)])
+        # Hidden weights (>= 2-D tensors but the first and the last) when they hold enough
+        # coordinates: the input layer, the output layer and the biases carry large data
+        # gradients that drown a canary; a structural, data-independent choice.
+        matrices = [i for i, p in enumerate(params) if p.dim() >= 2]
+        hidden = matrices[1:-1]
+        pool = np.concatenate(
+            [np.arange(starts[i], starts[i + 1]) for i in hidden] or [np.zeros(0, np.int64)]
+        )
+        if len(pool) < self.num:
+            pool = np.arange(total)
+        self.placement = "hidden weights" if len(pool) < total else "all trainable coordinates"
+        self.coordinates = np.sort(self.rng.choice(pool, size=self.num, replace=False))
         owner = np.searchsorted(starts, self.coordinates, side="right") - 1
         for i, p in enumerate(params):
             pos = np.flatnonzero(owner == i)
@@ -431,18 +844,63 @@ class DiracCanaries:
         """Step hook (after noise, before the base step): add the released coordinates."""
         if self._previous_hook is not None:
             self._previous_hook(optimizer)
+        step = np.zeros(self.num)
         for p, local, pos in self._slots:
             if p.grad is None:  # pragma: no cover - Opacus sets p.grad in every noisy step
                 raise RuntimeError("a canary parameter has no released gradient in this step")
-            released = p.grad.reshape(-1)[local].detach().double().cpu().numpy()
-            self.scores[pos] += released * self._score_scale
+            step[pos] = p.grad.reshape(-1)[local].detach().double().cpu().numpy()
+        step *= self._score_scale
+        self.scores += step
+        self._released.append(step)
         self.steps_read += 1
 
-    def result(self, *, delta: float, confidence: float = DEFAULT_CONFIDENCE) -> AuditResult:
+    def detrended_scores(self) -> np.ndarray:
+        r"""``[M]`` log likelihood ratios "drawn ~q per step" against "never drawn".
+
+        The released value at a canary's coordinate is the data's clipped gradient there plus
+        noise plus ``C`` in the steps that drew the canary. The score removes each
+        coordinate's slow drift (a running median over :data:`DETREND_WINDOW` steps), takes
+        the residual's spread ``s`` (1.4826 times its median absolute deviation over the
+        steps) and sums, over the steps, the log likelihood ratio of a Poisson-drawn spike of
+        ``C`` in Gaussian residuals, :math:`\log(1 - q + q e^{(C e_t - C^2 / 2) / s^2})`.
+        Quiet coordinates show each draw plainly; loud ones (large data gradients) score near
+        the middle, where the auditor abstains. A function of the released outputs and public
+        settings only (never of the inclusion), so the bound stays valid. It needs sparse draws
+        (``q <=`` :data:`SPARSE_RATE`, at most ~2 spikes per window); above that, and for runs
+        of fewer than 3 steps, the score is the plain sum :attr:`scores`.
+        """
+        if len(self._released) < 3 or self.sample_rate > SPARSE_RATE:
+            return self.scores.copy()  # dense draws: the median would follow the spikes
+        from scipy.ndimage import median_filter
+
+        released = np.stack(self._released)  # [T, M]
+        window = min(DETREND_WINDOW, len(released) | 1)
+        left = released - median_filter(released, size=(window, 1), mode="nearest")
+        mad = np.median(np.abs(left - np.median(left, axis=0)), axis=0)
+        spread = np.maximum(1.4826 * mad, 1e-6 * self.clip_norm)
+        c, q = self.clip_norm, min(self.sample_rate, 1 - 1e-12)
+        z = (c * left - c * c / 2) / spread**2
+        return np.logaddexp(math.log1p(-q), math.log(q) + z).sum(axis=0)
+
+    def result(
+        self,
+        *,
+        delta: float,
+        confidence: float = DEFAULT_CONFIDENCE,
+        plan: GaussianPlan | None = None,
+        epsilon_accounted: float | None = None,
+    ) -> AuditResult:
         """Guess from the scores and bound epsilon (see :func:`audit_scores`)."""
         if self.steps_injected != self.steps_read:
             raise RuntimeError(
                 f"canaries were added in {self.steps_injected} steps but read in "
                 f"{self.steps_read}; the audit needs both hooks in every noisy step"
             )
-        return audit_scores(self.scores, self.included, delta=delta, confidence=confidence)
+        return audit_scores(
+            self.detrended_scores(),
+            self.included,
+            delta=delta,
+            confidence=confidence,
+            plan=plan,
+            epsilon_accounted=epsilon_accounted,
+        )

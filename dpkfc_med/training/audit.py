@@ -31,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from dpkfc_med.privacy.audit import DEFAULT_CONFIDENCE, DiracCanaries
+from dpkfc_med.privacy.audit import (
+    DEFAULT_CONFIDENCE,
+    DiracCanaries,
+    GaussianPlan,
+    Verdict,
+    default_canaries,
+)
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.loop import RUN_JSON, RunResult, train
 from dpkfc_med.utils import write_json
@@ -46,22 +52,32 @@ __all__ = [
 ]
 
 AUDIT_FILE = "audit.json"
-AUDIT_SCHEMA = "dpkfc_med.audit/1"
+AUDIT_SCHEMA = "dpkfc_med.audit/2"
 DEFAULT_CANARIES = 5000
-"""Default ``M``, chosen for power on the README demo (benchmarks/audit.py): more canaries
-mean more guesses but a larger ``2 M delta`` term in the bound, fewer lose power."""
+"""The smallest default ``M``: :func:`~dpkfc_med.privacy.audit.default_canaries` takes more
+(10000, 20000, at most one per trainable coordinate) when the audit's ceiling with 5000 would
+not exceed the accounted epsilon."""
+NOT_DP = (
+    "RESEARCH ONLY, NOT DIFFERENTIALLY PRIVATE: noise_scale={scale:g} multiplied the noise of "
+    "this run (the accountant still counts the configured noise), to test that the audit "
+    "refutes a broken mechanism"
+)
 
 CANARY_DESIGN = (
     "white-box Dirac gradient canaries: canary j owns one coordinate of the flattened vector of "
-    "all trainable parameters (M distinct coordinates drawn at random); each canary is included "
+    "trainable parameters (M distinct coordinates drawn at random among the hidden weights, the "
+    ">= 2-D tensors but the first and the last, when they hold M; else among all); each canary "
+    "is included "
     "with probability 1/2; in every noisy step each included canary is Poisson-sampled at the "
     "run's sample rate q and, when drawn, adds C e_j (norm exactly the clip norm C) to the "
     "clipped sum (in DP-KFC: the preconditioned gradients) right before the noise"
 )
 SCORE = (
-    "sum over all noisy steps of coordinate j of the released noisy sum (Opacus' p.grad after "
-    "the noise, times the expected batch size; with preconditioner.step=natural the released "
-    "update after its second product with P, a valid but weaker score)"
+    "log likelihood ratio 'drawn at rate q' vs 'never drawn' of coordinate j of the released "
+    "noisy sums over all noisy steps (Opacus' p.grad after the noise, times the expected batch "
+    "size): the residual after a running median over 21 steps, scaled by its robust spread, "
+    "summed as log(1 - q + q exp((C e - C^2/2) / s^2)); with preconditioner.step=natural the "
+    "released update after its second product with P, a valid but weaker score"
 )
 RANDOMNESS = (
     "canary inclusion, placement and per-step draws come from a generator seeded with 128 bits "
@@ -125,6 +141,7 @@ def run_audit(
     canaries: int | None = None,
     confidence: float | None = None,
     rng: np.random.Generator | None = None,
+    noise_scale: float = 1.0,
 ) -> AuditRun:
     """Train ``cfg`` once with ``canaries`` canaries and write ``audit.json``.
 
@@ -132,9 +149,14 @@ def run_audit(
         cfg: the validated configuration (a private method).
         out: the audit's run directory (default :func:`audit_run_dir`).
         canaries: ``M``, at most the model's number of trainable coordinates (default
-            :data:`DEFAULT_CANARIES`).
+            :func:`~dpkfc_med.privacy.audit.default_canaries`: 5000, or more when the
+            audit could not refute the accounted epsilon with 5000).
         confidence: confidence of the lower bound (default 0.95).
         rng: generator for the canaries (tests only); default seeded from OS entropy.
+        noise_scale: RESEARCH ONLY, to test the audit: multiplies the noise the run draws
+            (the accountant still counts the configured noise), so a value below 1 makes a
+            broken, not differentially private, mechanism that the audit should refute.
+            Recorded in ``audit.json`` and its verdict.
 
     Returns:
         The :class:`AuditRun`.
@@ -149,24 +171,52 @@ def run_audit(
         independent of the data; the scores and guesses are post-processing of the released
         noisy sums.
     """
-    canaries = DEFAULT_CANARIES if canaries is None else canaries
     confidence = DEFAULT_CONFIDENCE if confidence is None else confidence
     run_dir = audit_run_dir(cfg, out)
-    problems = _problems(cfg, canaries, confidence, run_dir)
+    problems = _problems(
+        cfg, DEFAULT_CANARIES if canaries is None else canaries, confidence, run_dir
+    )
+    if not (isinstance(noise_scale, (int, float)) and 0 < noise_scale <= 1):
+        problems.append(
+            f"noise_scale={noise_scale!r} (--noise-scale): must be in (0, 1]; 1 audits the real "
+            "mechanism, less tests the audit on a broken one"
+        )
     if problems:
         raise ConfigError(problems, "audit")
     cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=str(run_dir)))
-    injector = DiracCanaries(int(canaries), rng=rng)
+    held: dict[str, Any] = {}
 
     def instrument(engine: Any, optimizer: Any) -> None:
+        steps = optimizer.max_steps
+        if steps is None:  # pragma: no cover - the loop always plans its steps
+            raise RuntimeError("the audit needs the planned number of steps")
+        plan = GaussianPlan(
+            engine.sample_rate,
+            float(optimizer.noise_multiplier),
+            int(steps),
+            cfg.privacy.accountant,
+        )
+        held["plan"] = plan
+        num = canaries
+        if num is None:
+            coordinates = sum(p.numel() for p in optimizer.params)
+            num = default_canaries(plan, coordinates=coordinates, delta=engine.ledger.delta)
+        held["injector"] = injector = DiracCanaries(int(num), rng=rng)
         injector.attach(optimizer, sample_rate=engine.sample_rate)
+        # research only: the accountant (engine.noise_multiplier) keeps the configured noise
+        optimizer.noise_multiplier = optimizer.noise_multiplier * noise_scale
 
     new_dirs = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
     t0 = time.perf_counter()
     try:
         result = train(cfg, instrument=instrument)
     except ValueError as err:
-        if injector.steps_injected or not str(err).startswith(f"canaries={injector.num}:"):
+        injector = held.get("injector")
+        if (
+            injector is None
+            or injector.steps_injected
+            or not str(err).startswith(f"canaries={injector.num}:")
+        ):
             raise
         # Refused while attaching, before the first step: nothing was spent, and the folder is
         # this audit's own (it held no run), so no incomplete audit is left behind.
@@ -176,22 +226,33 @@ def run_audit(
                 d.rmdir()
         raise ConfigError([f"{err} (--canaries)"], "audit") from None
     seconds = time.perf_counter() - t0
+    injector, plan = held["injector"], held["plan"]
     privacy = result.report["privacy"]
     delta = float(privacy["delta"])
-    outcome = injector.result(delta=delta, confidence=confidence)
     accounted = dict(privacy["epsilon"])
     primary = float(accounted[privacy.get("accountant", "prv")])
+    # the plan as run (a run stopped early took fewer steps than planned)
+    plan = dataclasses.replace(plan, steps=injector.steps_read)
+    outcome = injector.result(delta=delta, confidence=confidence, plan=plan)
     lower = outcome.epsilon_lower_bound
+    verdict = _verdict(outcome.verdict, lower, outcome.max_bound, primary, confidence)
+    if noise_scale != 1:
+        verdict = f"{NOT_DP.format(scale=noise_scale)}. {verdict}"
     record: dict[str, Any] = {
         "schema": AUDIT_SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "epsilon_lower_bound": lower,
+        "max_bound": outcome.max_bound,
+        "verdict_code": outcome.verdict,
+        "noise_scale": float(noise_scale),
+        "research_only_not_dp": noise_scale != 1,
         "epsilon_accounted": primary,
         "epsilon_accounted_all": accounted,
         "accountant": privacy.get("accountant", "prv"),
         "delta": delta,
         "confidence": confidence,
         "canaries": outcome.canaries,
+        "canary_placement": injector.placement,
         "canaries_included": outcome.included,
         "guesses": outcome.guesses,
         "correct": outcome.correct,
@@ -199,7 +260,11 @@ def run_audit(
         "k_minus": outcome.k_minus,
         "guess_rule": outcome.guess_rule,
         "candidates": outcome.candidates,
-        "verdict": _verdict(lower, primary, confidence),
+        "verdict": verdict,
+        "test": outcome.test,
+        "noise_multiplier_refuted": outcome.noise_multiplier_refuted,
+        "steinke_lower_bound": outcome.steinke_lower_bound,
+        "steinke_max_bound": outcome.steinke_max_bound,
         "method": cfg.method_enum.value,
         "run": {
             "name": cfg.name,
@@ -212,6 +277,7 @@ def run_audit(
             "steps": injector.steps_read,
             "sample_rate": injector.sample_rate,
             "noise_multiplier": privacy.get("noise_multiplier"),
+            "noise_multiplier_drawn": float(plan.noise_multiplier) * noise_scale,
             "max_grad_norm": injector.clip_norm,
             "expected_draws_per_included_canary": injector.sample_rate * injector.steps_read,
         },
@@ -226,16 +292,22 @@ def run_audit(
     return AuditRun(run_dir, record, result)
 
 
-def _verdict(lower: float, accounted: float, confidence: float) -> str:
-    if lower > accounted:
+def _verdict(code: str, lower: float, ceiling: float, accounted: float, confidence: float) -> str:
+    if code == Verdict.REFUTED:
         return (
-            f"REFUTED: the lower bound {lower:.3f} exceeds the accounted epsilon "
-            f"{accounted:.3f}; at confidence {confidence:g} the implementation does not give "
-            "the stated guarantee"
+            f"REFUTED: the guesses refute the accounted mechanism (lower bound {lower:.3f}, "
+            f"accounted epsilon {accounted:.3f}); at confidence {confidence:g} the "
+            "implementation does not give the stated guarantee"
+        )
+    if code == Verdict.CANNOT_REFUTE:
+        return (
+            f"cannot refute: even all-correct guesses would bound epsilon by only {ceiling:.3f} "
+            f"(the audit's ceiling), not above the accounted {accounted:.3f}; this audit says "
+            "nothing about the claim (use more canaries)"
         )
     return (
         f"consistent: the lower bound {lower:.3f} does not exceed the accounted epsilon "
-        f"{accounted:.3f}"
+        f"{accounted:.3f} (the audit could have shown up to {ceiling:.3f})"
     )
 
 
@@ -245,6 +317,8 @@ def _add_to_report(run_dir: Path, record: dict[str, Any]) -> None:
 
     keys = (
         "epsilon_lower_bound",
+        "max_bound",
+        "noise_scale",
         "epsilon_accounted",
         "delta",
         "confidence",
@@ -275,8 +349,14 @@ def format_audit(record: dict[str, Any]) -> str:
     return (
         f"audit: epsilon >= {low_text} (empirical lower bound at confidence "
         f"{record['confidence']:g}: {record['correct']}/{record['guesses']} correct guesses on "
-        f"{record['canaries']} canaries)\n"
+        f"{record['canaries']} canaries; ceiling {record['max_bound']:.3f}, the most these "
+        "settings could show)\n"
         f"privacy: epsilon <= {format_epsilon(record['epsilon_accounted'])} at delta = "
         f"{format_delta(record['delta'])} (accounted, {record['accountant'].upper()}); "
-        f"{record['verdict'].split(':')[0]}"
+        f"{record['verdict_code']}"
+        + (
+            f"\n{NOT_DP.format(scale=record['noise_scale'])}"
+            if record["research_only_not_dp"]
+            else ""
+        )
     )

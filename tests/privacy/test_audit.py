@@ -22,15 +22,23 @@ from dpkfc_med.privacy import PrivacyEngine
 from dpkfc_med.privacy.accounting import GaussianSteps, epsilon_for
 from dpkfc_med.privacy.audit import (
     DiracCanaries,
+    GaussianPlan,
+    Verdict,
     audit_scores,
+    default_canaries,
     epsilon_lower_bound,
+    fdp_refutes,
+    gaussian_tradeoff_inverse,
     guess_counts,
+    max_bound,
     one_run_p_value,
+    plan_tradeoff_inverse,
 )
 from dpkfc_med.training.audit import (
     AUDIT_FILE,
     DEFAULT_CANARIES,
     audit_run_dir,
+    format_audit,
     run_audit,
 )
 from dpkfc_med.training.config import ConfigError, load_config
@@ -156,6 +164,147 @@ def test_audit_scores_rejects_bad_input(kwargs, pattern):
     args = {"scores": [0.1, 0.2, 0.3, 0.4], "included": [True, False, True, False], "delta": 1e-5}
     with pytest.raises(ValueError, match=pattern):
         audit_scores(**{**args, **kwargs})
+
+
+# ------------------------------------------------------------- the ceiling and the f-DP test
+
+# The README demo at epsilon 8: q = 1/ceil(4708 / 256), 10 epochs, the calibrated sigma.
+_DEMO8 = GaussianPlan(1 / 19, 0.79681396484375, 190)
+_SMALL_CNN_COORDINATES = 25746  # trainable parameters of small_cnn (2D, 1 channel, 2 classes)
+
+
+def test_the_ceiling_is_the_all_correct_bound_at_the_best_guess_count():
+    rng = np.random.default_rng(0)
+    included = rng.random(DEFAULT_CANARIES) < 0.5
+    result = audit_scores(rng.normal(size=DEFAULT_CANARIES), included, delta=1e-5)
+    ks = guess_counts(DEFAULT_CANARIES)
+    want = max(
+        epsilon_lower_bound(
+            canaries=DEFAULT_CANARIES,
+            guesses=2 * k,
+            correct=2 * k,
+            delta=1e-5,
+            confidence=1 - 0.05 / len(ks),
+        )
+        for k in ks
+    )
+    assert result.max_bound == want == max_bound(DEFAULT_CANARIES, delta=1e-5)
+    assert want == pytest.approx(5.92, abs=0.01)  # the auditor's figure: Theorem 3 tops out
+
+
+def test_cannot_refute_when_the_ceiling_is_below_the_accounted_epsilon():
+    rng = np.random.default_rng(1)
+    included = rng.random(DEFAULT_CANARIES) < 0.5
+    perfect = included.astype(float)  # every guess right: the best any run can do
+    steinke = audit_scores(perfect, included, delta=1e-5, epsilon_accounted=8.0)
+    assert steinke.max_bound < 8 and steinke.verdict == Verdict.CANNOT_REFUTE == "cannot refute"
+    assert audit_scores(perfect, included, delta=1e-5, epsilon_accounted=2.0).verdict == (
+        Verdict.REFUTED
+    )
+    # the f-DP test with too few canaries cannot refute the demo's epsilon-8 plan either
+    few = rng.random(20) < 0.5
+    fdp = audit_scores(few.astype(float), few, delta=1e-5, plan=_DEMO8)
+    assert fdp.max_bound < fdp.epsilon_accounted and fdp.verdict == Verdict.CANNOT_REFUTE
+    text = format_audit(
+        {
+            "epsilon_lower_bound": fdp.epsilon_lower_bound,
+            "epsilon_accounted": fdp.epsilon_accounted,
+            "max_bound": fdp.max_bound,
+            "verdict_code": fdp.verdict,
+            "confidence": 0.95,
+            "correct": fdp.correct,
+            "guesses": fdp.guesses,
+            "canaries": 20,
+            "delta": 1e-5,
+            "accountant": "prv",
+            "noise_scale": 1.0,
+            "research_only_not_dp": False,
+        }
+    )
+    assert "cannot refute" in text and f"ceiling {fdp.max_bound:.3f}" in text
+
+
+def test_default_canaries_give_a_ceiling_above_8_on_the_demo_at_epsilon_8():
+    m = default_canaries(_DEMO8, coordinates=_SMALL_CNN_COORDINATES, delta=1e-5)
+    assert 2 <= m <= _SMALL_CNN_COORDINATES
+    accounted = _DEMO8.epsilon(1e-5)
+    assert accounted == pytest.approx(8.0, abs=0.3)
+    ceiling = max_bound(m, delta=1e-5, plan=_DEMO8)
+    assert ceiling > 8 and ceiling > accounted, (m, ceiling, accounted)
+    # an independent recomputation: all-correct guesses at some k refute the accounted plan,
+    # and refute no plan whose epsilon is above the ceiling
+    ks = guess_counts(m)
+    at_plan = plan_tradeoff_inverse(_DEMO8.sample_rate, _DEMO8.noise_multiplier, _DEMO8.steps)
+    tau = 0.05 / len(ks)
+    kw = {"canaries": m, "significance": tau}
+    assert any(fdp_refutes(at_plan, guesses=2 * k, correct=2 * k, **kw) for k in ks)
+    sigma = 0.97 * _DEMO8.noise_multiplier
+    while _DEMO8.epsilon(1e-5, sigma) <= ceiling * 1.02:
+        sigma *= 0.97
+    beyond = plan_tradeoff_inverse(_DEMO8.sample_rate, sigma, _DEMO8.steps)
+    assert not any(fdp_refutes(beyond, guesses=2 * k, correct=2 * k, **kw) for k in ks)
+
+
+def test_fdp_test_rarely_refutes_a_true_claim_on_randomized_response():
+    # eps-DP randomized response: each guess right with probability e^eps / (1 + e^eps),
+    # independently; its trade-off curve gives f(1 - x) = max(0, 1 - e^eps (1 - x), e^-eps x).
+    # The refutation region is an upper set in the correct count, so the false alarm rate is
+    # an exact binomial tail.
+    eps, r = 1.0, 200
+    p = 1 / (1 + math.exp(-eps))
+
+    def inverse(x):
+        return np.maximum(0.0, np.maximum(1 - math.exp(eps) * (1 - x), x * math.exp(-eps)))
+
+    refuted = [
+        fdp_refutes(inverse, canaries=r, guesses=r, correct=v, significance=0.05)
+        for v in range(r + 1)
+    ]
+    v_star = refuted.index(True)
+    assert all(refuted[v_star:])
+    assert float(stats.binom.sf(v_star - 1, r, p)) <= 0.05
+
+
+def test_fdp_test_rarely_refutes_a_true_gaussian_claim():
+    # mu-GDP exactly: an included canary's score is mu + N(0, 1), an excluded one's N(0, 1)
+    mu, m, k, trials = 2.0, 1000, 100, 200
+    rng = np.random.default_rng(7)
+    inverse = gaussian_tradeoff_inverse(mu)
+    false = power = 0
+    for _ in range(trials):
+        inc = rng.random(m) < 0.5
+        order = np.argsort(mu * inc + rng.normal(size=m))
+        correct = int(inc[order[-k:]].sum() + (~inc[order[:k]]).sum())
+        kw = {"canaries": m, "guesses": 2 * k, "correct": correct, "significance": 0.05}
+        false += fdp_refutes(inverse, **kw)
+        power += fdp_refutes(gaussian_tradeoff_inverse(mu / 2), **kw)  # a false, stronger claim
+    assert false / trials <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
+    assert power / trials > 0.9
+
+
+def _simulated_scores(plan: GaussianPlan, m: int, seed: int, noise_scale: float):
+    """Canary scores of the plan's mechanism, no training: an included canary is drawn
+    Binomial(T, q) times and adds C = 1 each time; every score sums T noises N(0, sigma^2)."""
+    rng = np.random.default_rng(seed)
+    included = rng.random(m) < 0.5
+    draws = rng.binomial(plan.steps, plan.sample_rate, m) * included
+    noise = rng.normal(0.0, plan.noise_multiplier * noise_scale * math.sqrt(plan.steps), m)
+    return draws + noise, included
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fdp_audit_refutes_ten_times_too_little_noise_and_not_the_real_mechanism(seed):
+    plan = GaussianPlan(0.1, 0.9, 60)  # epsilon ~6.9 at 1e-5: small enough to be quick
+    accounted = plan.epsilon(1e-5)
+    real = audit_scores(*_simulated_scores(plan, 2000, seed, 1.0), delta=1e-5, plan=plan)
+    broken = audit_scores(*_simulated_scores(plan, 2000, seed, 0.1), delta=1e-5, plan=plan)
+    assert real.max_bound == broken.max_bound > accounted  # the settings can refute
+    assert real.verdict == Verdict.CONSISTENT, real.candidates
+    assert real.epsilon_lower_bound <= accounted
+    assert broken.verdict == Verdict.REFUTED, broken.candidates
+    assert broken.epsilon_lower_bound > accounted
+    # Theorem 3 alone could not: its ceiling is below the accounted epsilon
+    assert broken.steinke_max_bound < accounted and broken.steinke_lower_bound < accounted
 
 
 # ----------------------------------------------------------------------------- canaries
@@ -364,10 +513,16 @@ def test_cli_audit_writes_audit_json_and_the_report_block(tmp_path, capsys):
     assert record["method"] == "dp-kfc" and record["mechanism"]["steps"] == 4
     assert 0 <= record["epsilon_lower_bound"] <= record["epsilon_accounted"]
     assert "not a release" in record["note"]
+    assert record["test"] == "f-DP" and record["max_bound"] >= record["epsilon_lower_bound"]
+    assert record["verdict_code"] in ("consistent", "cannot refute")
+    assert record["verdict"].startswith(record["verdict_code"])
+    assert record["noise_scale"] == 1.0 and record["research_only_not_dp"] is False
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert report["audit"]["epsilon_lower_bound"] == record["epsilon_lower_bound"]
     assert report["audit"]["epsilon_accounted"] == report["privacy"]["epsilon"]["prv"]
     assert "epsilon >=" in out and "epsilon <=" in out and "not a release" in out
+    assert f"ceiling {record['max_bound']:.3f}" in out and record["verdict_code"] in out
+    assert report["audit"]["max_bound"] == record["max_bound"]
     # the same directory is never reused, for an audit or a training run
     assert main(["audit", str(cfg_path), "--canaries", "400"]) == 2
     assert "already holds a run" in capsys.readouterr().err
@@ -379,6 +534,7 @@ def test_cli_audit_writes_audit_json_and_the_report_block(tmp_path, capsys):
         (["--canaries", "0"], r"canaries=0 \(--canaries\): the audit needs at least 2 canaries"),
         (["--method", "nonprivate"], r"method=nonprivate \(--method\): .*choose --method dp-sgd"),
         (["--confidence", "1.5"], r"confidence=1.5 \(--confidence\): must be in \(0, 1\)"),
+        (["--noise-scale", "2"], r"noise_scale=2.0 \(--noise-scale\): must be in \(0, 1\]"),
         # found only once the model is built: the audit's folder is removed again (no step)
         (["--canaries", "10000000"], r"only \d+ trainable coordinates.*\(--canaries\)"),
     ],
@@ -389,6 +545,18 @@ def test_cli_audit_bad_input_names_the_flag_and_the_fix(tmp_path, capsys, args, 
     assert err.startswith("error:")
     assert re.search(pattern, err), err
     assert not (tmp_path / "runs").exists()  # nothing that looks like a run was left
+
+
+def test_cli_audit_noise_scale_is_recorded_as_research_only(tmp_path, capsys):
+    cfg_path = _audit_config(tmp_path)
+    args = ["audit", str(cfg_path), "--canaries", "400", "--noise-scale", "0.1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "runs" / "tiny_audit" / AUDIT_FILE).read_text())
+    assert record["noise_scale"] == 0.1 and record["research_only_not_dp"] is True
+    assert record["verdict"].startswith("RESEARCH ONLY, NOT DIFFERENTIALLY PRIVATE")
+    assert record["mechanism"]["noise_multiplier_drawn"] == pytest.approx(0.1)
+    assert "NOT DIFFERENTIALLY PRIVATE" in out
 
 
 def test_audit_refuses_a_training_run_directory(tmp_path):
