@@ -4,10 +4,18 @@ Run::
 
     python benchmarks/report_screenshot.py                      # toy run, then the screenshot
     python benchmarks/report_screenshot.py --run-dir runs/NAME  # an existing run's report
+    python benchmarks/report_screenshot.py --run-dir runs/NAME --rerender --markdown
 
 The toy run is one epoch of DP-SGD on 100 PneumoniaMNIST images (``--data`` overrides the
-file), written to a temporary folder. The page is captured at ``--width`` pixels, full length,
-to ``--out`` (default ``benchmarks/results/report_screenshot.png``).
+file), written to a temporary folder. The page is captured at ``--width`` pixels, full length
+(up to ``--height``; blank space below the page is trimmed when Pillow is installed), to
+``--out`` (default ``benchmarks/results/report_screenshot.png``).
+
+``--rerender`` renders the views from the run's ``privacy_report.json`` with the code as it is
+now, into a temporary folder (the run directory is not touched): the way to look at a rendering
+change on an existing run. ``--markdown`` also captures the Markdown views (the privacy report
+and, when present, the custodian report), turned into HTML by markdown-it-py as a Markdown
+viewer would, next to ``--out`` as ``<out>_md.png`` and ``<out>_custodian_md.png``.
 
 A headless browser is needed: Chromium / Google Chrome, Firefox, or Playwright for Python with
 its Chromium. Without one the script says what to install and exits with status 2, before any
@@ -17,6 +25,7 @@ training.
 from __future__ import annotations
 
 import argparse
+import html
 import shutil
 import subprocess
 import sys
@@ -73,8 +82,67 @@ def toy_run(out_dir: Path, data: Path) -> Path:
     return train(cfg).run_dir
 
 
-def screenshot(browser: tuple[str, str], page: Path, png: Path, width: int) -> None:
-    """Capture ``page`` (an HTML file) at ``width`` pixels into ``png``."""
+def rerendered(run_dir: Path, out_dir: Path) -> Path:
+    """Render ``run_dir``'s views from its JSON with the current code into ``out_dir``."""
+    from dpkfc_med.report.custodian import CUSTODIAN_FILES
+    from dpkfc_med.report.writer import rerender
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(run_dir / "privacy_report.json", out_dir / "privacy_report.json")
+    custodian = run_dir / CUSTODIAN_FILES["json"]
+    if custodian.is_file():
+        (out_dir / CUSTODIAN_FILES["json"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(custodian, out_dir / CUSTODIAN_FILES["json"])
+    rerender(out_dir)
+    return out_dir
+
+
+_MD_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem;
+       line-height: 1.5; color: #1f2328; }
+table { border-collapse: collapse; } th, td { border: 1px solid #d1d9e0; padding: 0.3rem 0.6rem; }
+blockquote { border-left: 4px solid #d1d9e0; margin: 0; padding: 0 1rem; color: #59636e; }
+pre { background: #f6f8fa; padding: 0.8rem; overflow-x: auto; }
+code { background: #f6f8fa; }
+img { max-width: 100%; }
+"""
+
+
+def markdown_page(markdown: Path, page: Path) -> bool:
+    """Write ``markdown`` as an HTML ``page`` (GitHub-like), or return False without the parser."""
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:
+        return False
+    body = MarkdownIt("commonmark").enable("table").render(markdown.read_text(encoding="utf-8"))
+    page.write_text(
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><base href="{markdown.parent.as_uri()}/">'
+        f"<title>{html.escape(markdown.name)}</title><style>{_MD_CSS}</style></head>"
+        f"<body>{body}</body></html>",
+        encoding="utf-8",
+    )
+    return True
+
+
+def _trim(png: Path) -> None:
+    """Cut the blank rows below the page (a headless Chrome window is taller than the page)."""
+    try:
+        from PIL import Image, ImageChops
+    except ImportError:
+        return
+    with Image.open(png) as image:
+        rgb = image.convert("RGB")
+    # ignore the right edge, where a scrollbar may be drawn
+    body = rgb.crop((0, 0, max(1, rgb.width - 30), rgb.height))
+    box = ImageChops.difference(body, Image.new("RGB", body.size, (255, 255, 255))).getbbox()
+    if box is not None and box[3] + 40 < rgb.height:
+        rgb.crop((0, 0, rgb.width, box[3] + 40)).save(png)
+
+
+def screenshot(
+    browser: tuple[str, str], page: Path, png: Path, width: int, height: int = 16000
+) -> None:
+    """Capture ``page`` (an HTML file) at ``width`` pixels into ``png``, at most ``height`` long."""
     png.parent.mkdir(parents=True, exist_ok=True)
     url = page.resolve().as_uri()
     kind, exe = browser
@@ -88,20 +156,38 @@ def screenshot(browser: tuple[str, str], page: Path, png: Path, width: int) -> N
             tab.screenshot(path=str(png), full_page=True)
             chromium.close()
         return
-    if kind == "chrome":
-        cmd = [
-            exe,
-            "--headless",
-            "--disable-gpu",
-            "--no-sandbox",
-            "--hide-scrollbars",
-            f"--window-size={width},6000",
-            f"--screenshot={png}",
-            url,
-        ]
-    else:
-        cmd = [exe, "--headless", "--screenshot", str(png), f"--window-size={width},6000", url]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    with tempfile.TemporaryDirectory() as profile:
+        if kind == "chrome":
+            # a fresh profile and no background traffic: the page is a local file
+            cmd = [
+                exe,
+                "--headless",
+                "--disable-gpu",
+                "--no-sandbox",
+                "--hide-scrollbars",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                f"--screenshot={png}",
+                url,
+            ]
+        else:
+            cmd = [
+                exe,
+                "--headless",
+                "--profile",
+                profile,
+                "--screenshot",
+                str(png),
+                f"--window-size={width},{height}",
+                url,
+            ]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    _trim(png)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DATA, help="data of the toy run")
     parser.add_argument("--out", type=Path, default=OUT, help="the PNG to write")
     parser.add_argument("--width", type=int, default=1100, help="page width in pixels")
+    parser.add_argument("--height", type=int, default=16000, help="longest capture in pixels")
+    parser.add_argument(
+        "--rerender", action="store_true", help="render the views from the JSON with this code"
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="also capture the Markdown views (markdown-it-py)"
+    )
     args = parser.parse_args(argv)
     browser = find_browser()
     if browser is None:
@@ -118,12 +211,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.run_dir or toy_run(Path(tmp), args.data)
+        if args.rerender:
+            if not (run_dir / "privacy_report.json").is_file():
+                print(f"error: {run_dir}: no privacy_report.json to render", file=sys.stderr)
+                return 2
+            run_dir = rerendered(run_dir, Path(tmp) / "rerendered")
         page = run_dir / "privacy_report.html"
         if not page.is_file():
             print(f"error: {page}: no HTML report; pass a run directory", file=sys.stderr)
             return 2
-        screenshot(browser, page, args.out, args.width)
-    print(f"screenshot ({browser[0]}): {args.out}")
+        screenshot(browser, page, args.out, args.width, args.height)
+        print(f"screenshot ({browser[0]}): {args.out}")
+        if args.markdown:
+            views = {
+                "md": run_dir / "privacy_report.md",
+                "custodian_md": run_dir / "private_not_for_release" / "custodian_report.md",
+            }
+            for suffix, markdown in views.items():
+                if not markdown.is_file():
+                    continue
+                md_page = Path(tmp) / f"{suffix}.html"  # its <base> points at the run
+                if not markdown_page(markdown, md_page):
+                    print("Markdown views skipped: pip install markdown-it-py", file=sys.stderr)
+                    break
+                png = args.out.with_name(f"{args.out.stem}_{suffix}.png")
+                screenshot(browser, md_page, png, args.width, args.height)
+                print(f"screenshot ({browser[0]}): {png}")
     return 0
 
 

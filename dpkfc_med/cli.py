@@ -189,20 +189,35 @@ def _load_run_config(args: argparse.Namespace) -> Any:
                 ]
             )
         args.config = str(own)  # the run's own stored configuration, overrides on top
+    from dpkfc_med.training.config import ConfigError
+
     overrides = list(args.set)
-    if args.data:
-        overrides.append(f"data.path={args.data}")
-    if args.epsilon is not None:
-        overrides.append(f"privacy.target_epsilon={args.epsilon}")
-    if args.method:
-        overrides.append(f"method={args.method}")
-    if args.out:
-        overrides.append(f"output.dir={args.out}")
-    if args.device:
-        overrides.append(f"training.device={args.device}")
-    if args.seed is not None:
-        overrides.append(f"training.seed={args.seed}")
-    return load_config(args.config, overrides)
+    flags: dict[str, str] = {}  # override -> the command-line option that asked for it
+    for option, field, value in (
+        ("--data", "data.path", args.data),
+        ("--epsilon", "privacy.target_epsilon", args.epsilon),
+        ("--method", "method", args.method),
+        ("--out", "output.dir", args.out),
+        ("--device", "training.device", args.device),
+        ("--seed", "training.seed", args.seed),
+    ):
+        if value is not None and value != "":
+            overrides.append(f"{field}={value}")
+            flags[overrides[-1]] = f"{option} {value}"
+    try:
+        return load_config(args.config, overrides)
+    except ConfigError as err:
+        # name the option the user typed (--epsilon -1), not the override it became
+        problems, renamed = [], False
+        for problem in err.problems:
+            for item, flag in flags.items():
+                if problem.startswith(f"--set {item}:"):
+                    problem, renamed = flag + problem[len(f"--set {item}") :], True
+            problems.append(problem)
+        source = str(err).split(":\n", 1)[0].removeprefix("config error in ")
+        if renamed:
+            source = source.replace("--set overrides", "command-line options")
+        raise ConfigError(problems, source) from None
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -184,6 +184,11 @@ def resolve_data_path(
     roots = data_roots()
     if not any(label.startswith("$") for label, _ in roots):
         tried.append(f"${DATA_ENV_VAR} (not set)")
+    if not any(label.startswith("bundled") for label, _ in roots):
+        tried.append(
+            "bundled shared/data (no shared/data folder beside the checkout or the current "
+            "directory, e.g. ../shared/data)"
+        )
     if not explicit.is_absolute():
         for label, root in roots:
             if (hit := check(root / explicit, label)) is not None:
@@ -207,8 +212,9 @@ def resolve_data_path(
             if download:
                 return _download_medmnist(*parsed, cache)
             tried.append(
-                f"download of MedMNIST {parsed[0]!r} (size {parsed[1]}) skipped: pass "
-                "download=True (needs internet)"
+                f"download of MedMNIST {parsed[0]!r} (size {parsed[1]}) skipped: allow it with "
+                "--set data.download=true on the command line (download=True in Python); needs "
+                "internet"
             )
 
     raise DataNotFoundError(spec, tried, _HINT)
@@ -232,7 +238,16 @@ def _download_medmnist(flag: str, size: int, root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     dataset_cls = getattr(medmnist, info["python_class"])
     # Constructing any split downloads the single .npz that holds all three splits.
-    dataset_cls(split="train", download=True, size=size, root=str(root))
+    try:
+        dataset_cls(split="train", download=True, size=size, root=str(root))
+    except (OSError, RuntimeError) as err:  # no network: socket.gaierror, URLError, ...
+        raise DataNotFoundError(
+            flag,
+            [f"download of MedMNIST {flag!r} (size {size}) into {root}: failed ({err})"],
+            "Fix: this machine may have no internet access. Download the .npz elsewhere "
+            f"(Zenodo record of MedMNIST v2) and pass it with --data PATH, or set "
+            f"{DATA_ENV_VAR} to the folder holding it",
+        ) from None
     path = root / _medmnist_file_name(flag, size)
     if not path.is_file():  # pragma: no cover - depends on the medmnist package version
         raise DataNotFoundError(flag, [str(path)], "Fix: download the file by hand from Zenodo")

@@ -1,9 +1,10 @@
 """Human-readable views of a privacy report: Markdown and self-contained HTML.
 
 Both views are rendered from one document model (:func:`build_document`: headings, paragraphs,
-banners, tables, images, code), so the Markdown and the HTML always say the same thing. The
-text is written for a data-protection officer: the summary states the guarantee in one
-sentence, and every figure is traceable to the JSON report next to it.
+bullet lists, banners, tables, images, code), so the Markdown and the HTML always say the same
+thing. The text is written for a data-protection officer: the summary states the guarantee in
+one sentence, what is not covered follows it, and every figure is traceable to the JSON report
+next to it.
 
 Epsilon is always printed rounded *up* to three decimals (:func:`format_epsilon`): a printed
 figure must never understate the privacy spent.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -76,8 +78,16 @@ _ACCOUNTANTS = {
 _MAX_ROWS = 20  # long tables (refreshes, ledger events) show their first and last rows
 
 
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def _fmt(value: Any) -> str:
-    """Display form of a plain JSON value."""
+    """Display form of a plain JSON value, on one line and never as JSON.
+
+    Lists read ``"28, 28"`` (``"none"`` when empty), mappings ``"mode: clamp; low: 0"``; table
+    cells lay nested values out one item a line instead (:func:`_cell`).
+    """
     if value is None:
         return "n/a"
     if isinstance(value, bool):
@@ -88,7 +98,12 @@ def _fmt(value: Any) -> str:
         return f"{value:.4g}"
     if isinstance(value, str):
         return value
-    return json.dumps(value, separators=(", ", ": "))
+    if isinstance(value, Mapping):
+        return "; ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        inner = [_fmt(v) if _is_scalar(v) else f"({_fmt(v)})" for v in value]
+        return ", ".join(inner) or "none"
+    return str(value)
 
 
 def _count(value: Any) -> str:
@@ -104,8 +119,19 @@ class Span:
     style: Literal["code", "strong", "em"] = "code"
 
 
-Inline = str | Span | tuple[str | Span, ...]
-"""Inline content: plain text, one styled span, or a run of them (a tuple)."""
+@dataclass(frozen=True)
+class Lines:
+    """Inline items laid out one a line: a nested mapping or list inside a table cell.
+
+    HTML shows a small unmarked list; a Markdown table cell, which cannot hold a line break,
+    joins the items with ``"; "``.
+    """
+
+    items: tuple[Inline, ...]
+
+
+Inline = str | Span | Lines | tuple["str | Span | Lines", ...]
+"""Inline content: plain text, one styled span, lines of items, or a run of them (a tuple)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +147,13 @@ class Paragraph:
     """A paragraph of inline text."""
 
     content: Inline
+
+
+@dataclass(frozen=True)
+class BulletList:
+    """An unordered list: ``<ul><li>`` in HTML, ``- item`` lines in Markdown."""
+
+    items: Sequence[Inline]
 
 
 @dataclass(frozen=True)
@@ -159,23 +192,47 @@ class Image:
 
 @dataclass(frozen=True)
 class Code:
-    """A pre-formatted block (the run configuration)."""
+    """A pre-formatted block (the run configuration).
+
+    ``summary``, when given, folds the block in HTML behind that line (``<details>``); Markdown
+    always shows it as a fenced block.
+    """
 
     text: str
     language: str = ""
+    summary: str = ""
 
 
-Block = Heading | Paragraph | Banner | Box | Table | Image | Code
+Block = Heading | Paragraph | BulletList | Banner | Box | Table | Image | Code
+
+
+def _cell(value: Any) -> Inline:
+    """Table-cell form of a JSON value: nested mappings one ``key: value`` a line.
+
+    Scalars and lists of scalars stay on one line (:func:`_fmt`: ``"28, 28"``); a mapping, or a
+    list holding mappings or lists, becomes :class:`Lines`, nested as deep as the value.
+    """
+    if isinstance(value, (Span, Lines, tuple)):
+        return value
+    if isinstance(value, Mapping) and value:
+        return Lines(tuple(_labelled(f"{k}: ", _cell(v)) for k, v in value.items()))
+    if isinstance(value, list) and not all(_is_scalar(v) for v in value):
+        if len(value) == 1:  # one record: its lines, without a level of nesting
+            return _cell(value[0])
+        return Lines(tuple(_cell(v) for v in value))
+    return _fmt(value)
+
+
+def _labelled(label: str, content: Inline) -> Inline:
+    return (label, *content) if isinstance(content, tuple) else (label, content)
 
 
 def _kv(rows: Sequence[tuple[Inline, Any]]) -> Table:
-    return Table(
-        ("Item", "Value"), [(k, v if isinstance(v, (Span, tuple)) else _fmt(v)) for k, v in rows]
-    )
+    return Table(("Item", "Value"), [(k, _cell(v)) for k, v in rows])
 
 
 def _mapping_table(mapping: Mapping[str, Any], key_name: str = "Item") -> Table:
-    return Table((key_name, "Value"), [(str(k), _fmt(v)) for k, v in mapping.items()])
+    return Table((key_name, "Value"), [(str(k), _cell(v)) for k, v in mapping.items()])
 
 
 def _records_table(records: Sequence[Mapping[str, Any]], columns: Sequence[str] = ()) -> Table:
@@ -183,7 +240,7 @@ def _records_table(records: Sequence[Mapping[str, Any]], columns: Sequence[str] 
     cols = list(columns)
     for record in records:
         cols += [k for k in record if k not in cols]
-    rows: list[list[Inline]] = [[_fmt(r.get(c)) for c in cols] for r in records]
+    rows: list[list[Inline]] = [[_cell(r.get(c)) for c in cols] for r in records]
     if len(rows) > _MAX_ROWS:
         half = _MAX_ROWS // 2
         gap = Span(f"... {len(rows) - 2 * half} more rows in the JSON report", "em")
@@ -369,8 +426,9 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     doc.append(plain_summary(report))
     doc += _summary(report)
     doc += _guarantee(report)
-    doc += _audit(report)
+    # What a data-protection officer needs comes first; the technical detail follows.
     doc += _not_covered(report)
+    doc += _audit(report)
     doc += _mechanism(report)
     doc += _preconditioner(report)
     doc += _data(report)
@@ -599,7 +657,8 @@ def _not_covered(report: Mapping[str, Any]) -> list[Block]:
     p = report["privacy"]
     items = p.get("not_covered") or []
     out: list[Block] = [Heading(2, "What the guarantee does not cover")]
-    out += [Paragraph(("- ", item)) for item in items]
+    if items:
+        out.append(BulletList(items))
     cust = report.get("custodian") or {}
     if cust:
         out.append(Banner("Custodian only", cust["note"], "note"))
@@ -854,7 +913,7 @@ def _ledger(ledger: Mapping[str, Any]) -> list[Block]:
         return [Paragraph("The ledger is empty.")]
     out: list[Block] = []
     rows = [
-        (k, format_delta(v) if k == "delta" else _fmt(v))
+        (k, format_delta(v) if k == "delta" else _cell(v))
         for k, v in ledger.items()
         if not _is_records(v)
     ]
@@ -1144,12 +1203,18 @@ def _reproducibility(report: Mapping[str, Any]) -> list[Block]:
         Heading(3, "Package versions"),
         Table(("Package", "Version"), [(k, _fmt(v)) for k, v in env["packages"].items()]),
         Heading(3, "Run configuration"),
-        Code(json.dumps(run["config"], indent=2), "json"),
+        _config_code(run["config"]),
     ]
 
 
+def _config_code(config: Any) -> Code:
+    text = json.dumps(config, indent=2)
+    lines = text.count("\n") + 1
+    return Code(text, "json", f"Show the run configuration (JSON, {plural('line', lines)})")
+
+
 # --------------------------------------------------------------------------- Markdown
-def _md_inline(content: Inline, cell: bool = False) -> str:
+def _md_inline(content: Inline, cell: bool = False, nested: bool = False) -> str:
     if isinstance(content, str):
         text = content.replace("|", "\\|").replace("\n", " ") if cell else content
         return text
@@ -1159,7 +1224,11 @@ def _md_inline(content: Inline, cell: bool = False) -> str:
             return f"{fence}{content.text}{fence}"
         mark = "**" if content.style == "strong" else "*"
         return f"{mark}{_md_inline(content.text, cell)}{mark}"
-    return "".join(_md_inline(part, cell) for part in content)
+    if isinstance(content, Lines):
+        # One line of text: "; " between items, a nested level in brackets.
+        text = "; ".join(_md_inline(item, cell, nested=True) for item in content.items)
+        return f"({text})" if nested else text
+    return "".join(_md_inline(part, cell, nested) for part in content)
 
 
 def _md_block(block: Block) -> str:
@@ -1167,6 +1236,8 @@ def _md_block(block: Block) -> str:
         return f"{'#' * block.level} {block.text}"
     if isinstance(block, Paragraph):
         return _md_inline(block.content)
+    if isinstance(block, BulletList):
+        return "\n".join(f"- {_md_inline(item)}" for item in block.items)
     if isinstance(block, Banner):
         return f"> **{block.title}:** {block.text}"
     if isinstance(block, Box):
@@ -1216,11 +1287,21 @@ code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; fo
 pre { background: var(--zebra); border: 1px solid var(--rule); border-radius: 6px;
       padding: 0.9rem 1rem; overflow-x: auto; font-size: 0.85rem; line-height: 1.45; }
 pre code { background: none; padding: 0; }
-.table-wrap { overflow-x: auto; margin: 0.7rem 0 1.2rem; }
+ul { margin: 0.6rem 0; padding-left: 1.5rem; max-width: 46rem; }
+li { margin: 0.35rem 0; }
+.table-wrap { overflow-x: auto; max-width: 100%; margin: 0.7rem 0 1.2rem; }
 table { border-collapse: collapse; width: 100%; font-size: 0.92rem; }
 th, td { border: 1px solid var(--rule); padding: 0.4rem 0.65rem; text-align: left;
-         vertical-align: top; }
+         vertical-align: top; overflow-wrap: break-word; }
 thead th { background: var(--head); font-weight: 600; white-space: nowrap; }
+table.wide { font-size: 0.8rem; }
+table.wide th, table.wide td { padding: 0.3rem 0.45rem; }
+td ul.cell-list { list-style: none; margin: 0; padding: 0; max-width: none; }
+td ul.cell-list li { margin: 0; }
+td ul.cell-list ul.cell-list { padding-left: 1rem; }
+details.code { margin: 0.7rem 0 1.2rem; }
+details.code > summary { cursor: pointer; color: var(--muted); font-size: 0.92rem; }
+details.code[open] > summary { margin-bottom: 0.4rem; }
 tbody tr:nth-child(even) td { background: var(--zebra); }
 table.kv td:first-child { width: 34%; font-weight: 600; color: #32383f; }
 .summary { border: 1px solid; border-left-width: 6px; border-radius: 8px; padding: 0.4rem 1.3rem;
@@ -1246,12 +1327,28 @@ figcaption { font-size: 0.88rem; color: var(--muted); margin-top: 0.4rem; }
 """
 
 
+_LONG_WORD = re.compile(r"\S{24,}")
+_WIDE_TABLE = 7  # columns from which a table is set smaller (the covered layers: 11)
+
+
+def _breakable(text: str) -> str:
+    """Escaped text; long words (layer paths, config keys) may wrap after ``.``, ``_``, ``/``.
+
+    A 3D U-Net's layer names run to 60 characters without a space; without these break points
+    they set the width of their table column and push the table past the page.
+    """
+    return _LONG_WORD.sub(lambda m: re.sub(r"([./_])", r"\1<wbr>", m.group()), html.escape(text))
+
+
 def _html_inline(content: Inline) -> str:
     if isinstance(content, str):
-        return html.escape(content)
+        return _breakable(content)
     if isinstance(content, Span):
         tag = {"code": "code", "strong": "strong", "em": "em"}[content.style]
-        return f"<{tag}>{html.escape(content.text)}</{tag}>"
+        return f"<{tag}>{_breakable(content.text)}</{tag}>"
+    if isinstance(content, Lines):
+        items = "".join(f"<li>{_html_inline(item)}</li>" for item in content.items)
+        return f'<ul class="cell-list">{items}</ul>'
     return "".join(_html_inline(part) for part in content)
 
 
@@ -1260,6 +1357,8 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
         return f"<h{block.level}>{html.escape(block.text)}</h{block.level}>"
     if isinstance(block, Paragraph):
         return f"<p>{_html_inline(block.content)}</p>"
+    if isinstance(block, BulletList):
+        return "<ul>" + "".join(f"<li>{_html_inline(i)}</li>" for i in block.items) + "</ul>"
     if isinstance(block, Banner):
         return (
             f'<div class="banner banner-{block.kind}"><strong>{html.escape(block.title)}:</strong> '
@@ -1277,7 +1376,11 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
             "<tr>" + "".join(f"<td>{_html_inline(c)}</td>" for c in row) + "</tr>"
             for row in block.rows
         )
-        kind = ' class="kv"' if len(block.header) == 2 else ""
+        kind = ""
+        if len(block.header) == 2:
+            kind = ' class="kv"'
+        elif len(block.header) >= _WIDE_TABLE:
+            kind = ' class="wide"'
         return (
             f'<div class="table-wrap"><table{kind}><thead><tr>{head}</tr></thead>'
             f"<tbody>{body}</tbody></table></div>"
@@ -1291,7 +1394,12 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
         return (
             f'<figure><img src="{uri}" alt="{caption}"><figcaption>{caption}</figcaption></figure>'
         )
-    return f"<pre><code>{html.escape(block.text)}</code></pre>"
+    pre = f"<pre><code>{html.escape(block.text)}</code></pre>"
+    if block.summary:
+        return (
+            f'<details class="code"><summary>{html.escape(block.summary)}</summary>{pre}</details>'
+        )
+    return pre
 
 
 def render_html(report: Mapping[str, Any], plots: Mapping[str, bytes]) -> str:

@@ -253,6 +253,14 @@ def train(
     if n_units == 0:
         raise PlanError("the training split is empty")
     batch = min(cfg.training.batch_size, n_units)
+    if batch < cfg.training.batch_size:
+        print(
+            f"training.batch_size={cfg.training.batch_size} is more than the {n_units} training "
+            f"units: every step draws each unit with probability 1 (q = 1, expected batch "
+            f"{n_units}); lower training.batch_size for subsampling, which amplifies privacy",
+            file=sys.stderr,
+            flush=True,
+        )
     steps_per_epoch = max(1, math.ceil(n_units / batch))
     run_dir = cfg.run_dir()
     opening = _open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)

@@ -96,13 +96,40 @@ def test_not_found_lists_every_place(tmp_path: Path, monkeypatch) -> None:
         f"nowhere/organmnist3d (${DATA_ENV_VAR})",
         f"nowhere/medmnist3d/organmnist3d.npz (${DATA_ENV_VAR}, MedMNIST name)",
         ".medmnist/organmnist3d.npz (medmnist cache)",
-        "download=True",
+        "--set data.download=true",
+        "shared/data",
         "--data PATH",
         DATA_ENV_VAR + "=",
     ]:
         assert expected in message, f"missing {expected!r} in:\n{message}"
     assert isinstance(info.value, FileNotFoundError)
     assert len(info.value.tried) >= 6
+
+
+def test_bundled_folder_is_named_when_missing(tmp_path: Path, monkeypatch) -> None:
+    import dpkfc_med.data.paths as paths
+
+    monkeypatch.setattr(paths, "_bundled_roots", lambda: [])
+    with pytest.raises(DataNotFoundError, match=r"bundled shared/data \(no shared/data folder"):
+        resolve_data_path("no_such_folder", kind="dir")
+
+
+def test_download_without_internet_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import socket
+
+    import medmnist
+
+    def offline(**kwargs):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(medmnist, medmnist.INFO["organmnist3d"]["python_class"], offline)
+    with pytest.raises(
+        DataNotFoundError,
+        match=r"(?s)download of MedMNIST 'organmnist3d'.*"
+        r"failed.*name resolution.*no internet access.*--data PATH",
+    ):
+        resolve_data_path("organmnist3d", download=True)
 
 
 def test_sha256_matches_shipped_sums(pneumonia_path: Path, shared_sha256: dict) -> None:

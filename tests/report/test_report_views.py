@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from html.parser import HTMLParser
 
 import pytest
 
@@ -243,3 +244,119 @@ def test_split_report_keeps_the_epsilon_history_shareable():
     for key in ("epsilon", "epsilon_step", "epsilon_rdp", "epsilon_schedule"):
         assert key in shareable["history"]
     assert "loss" not in shareable["history"] and custodian["history"]["loss"] == [0.5] * 100
+
+
+# --------------------------------------------------------------------------- HTML structure
+class _Structure(HTMLParser):
+    """What a browser would build from the page: headings, list items, tables, cell text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[tuple[str, dict[str, str | None]]] = []
+        self.h2: list[str] = []
+        self.items: list[tuple[str, str]] = []  # (text, enclosing list tag) of each <li>
+        self.paragraphs: list[str] = []
+        self.unwrapped_tables = 0
+        self.tables = 0
+        self.cells: list[str] = []
+        self._text: dict[str, list[str]] = {}
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("wbr", "br", "img", "meta"):
+            return  # void elements
+        if tag == "table":
+            self.tables += 1
+            parent = self.stack[-1] if self.stack else ("", {})
+            wrapped = parent[0] == "div" and "table-wrap" in (parent[1].get("class") or "")
+            self.unwrapped_tables += not wrapped
+        self.stack.append((tag, dict(attrs)))
+        if tag in ("h2", "li", "p", "td"):
+            self._text[f"{tag}{len(self.stack)}"] = []
+
+    def handle_endtag(self, tag):
+        depth = len(self.stack)
+        key = f"{tag}{depth}"
+        text = "".join(self._text.pop(key, [])).strip()
+        self.stack.pop()
+        if tag == "h2":
+            self.h2.append(text)
+        elif tag == "li":
+            self.items.append((text, self.stack[-1][0] if self.stack else ""))
+        elif tag == "p":
+            self.paragraphs.append(text)
+        elif tag == "td":
+            self.cells.append(text)
+
+    def handle_data(self, data):
+        for key in self._text:
+            self._text[key].append(data)
+
+
+def _structured_report():
+    """The example report with an audit and the nested values that real runs record."""
+    report = per_step_report()
+    report["audit"] = {
+        "epsilon_lower_bound": 0.2,
+        "epsilon_accounted": 1.234,
+        "delta": 1e-5,
+        "canaries": 1000,
+        "confidence": 0.95,
+    }
+    report["privacy"]["ledger"]["meta"] = {"sample_rate": 0.1172, "units": 546, "backend": None}
+    pre = report["preconditioner"]
+    pre["probe_source"]["intensity"] = {"mode": "unit_range", "low": 0.0, "high": 1.0}
+    pre["probe_source"]["spatial_shape"] = [28, 28]
+    long_name = "model.1.submodule.1.submodule.1.submodule.0.conv.unit0.conv"
+    pre["coverage"].append({**pre["coverage"][0], "layer": long_name})
+    pre["refreshes"][0]["eig_fallbacks"] = [{"layer": long_name, "factor": "A", "used": "float64"}]
+    return report
+
+
+def test_html_structure_lists_wrapped_tables_readable_cells_and_section_order():
+    report = _structured_report()
+    page = render_html(report, render_plots(report))
+    doc = _Structure()
+    doc.feed(page)
+    # the not-covered items are a list, not paragraphs that start with "- "
+    texts = [" ".join(t.split()) for t in report["privacy"]["not_covered"]]
+    bullets = {" ".join(text.split()): parent for text, parent in doc.items}
+    for text in texts:
+        assert bullets.get(text) == "ul", (text, sorted(bullets))
+    assert [p for p in doc.paragraphs if p.startswith("- ")] == []
+    assert "<p>- " not in page
+    # every table scrolls inside its wrapper instead of pushing past the page
+    assert doc.tables > 10 and doc.unwrapped_tables == 0
+    assert re.search(r"\.table-wrap \{[^}]*overflow-x: auto", page)
+    assert "<wbr>" in page  # long layer names may wrap after their dots
+    # nested values read as "key: value" lines, never as JSON
+    json_cells = [c for c in doc.cells if '{"' in c or "[{" in c or re.search(r"^\[.*\]$", c)]
+    assert json_cells == [], json_cells
+    for line in ("sample_rate: 0.1172", "units: 546", "mode: unit_range", "factor: A"):
+        assert (line, "ul") in doc.items, line  # one item a line, in the cell
+    assert "28, 28" in doc.cells
+    # the run configuration is a folded code block, not JSON in a table
+    assert re.search(r"<details[^>]*><summary>[^<]*run configuration[^<]*</summary><pre>", page)
+    # what a data-protection officer needs comes before the technical detail
+    h2 = doc.h2
+    assert h2[:4] == [
+        "In plain words",
+        "Summary",
+        "Privacy guarantee",
+        "What the guarantee does not cover",
+    ], h2
+    for technical in (
+        "Empirical privacy audit",
+        "Mechanism parameters",
+        "Preconditioner provenance",
+        "Data",
+        "Model",
+    ):
+        assert h2.index("What the guarantee does not cover") < h2.index(technical), h2
+    # Markdown says the same, in the same order
+    md = render_markdown(report)
+    md_h2 = [line[3:] for line in md.splitlines() if line.startswith("## ")]
+    assert ["In plain words", *md_h2] == h2
+    for text in report["privacy"]["not_covered"]:
+        assert f"\n- {text}\n" in md
+    assert "| meta | sample_rate: 0.1172; units: 546; backend: n/a |" in md
+    assert '{"' not in md.split("### Run configuration")[0]

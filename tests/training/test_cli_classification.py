@@ -485,3 +485,23 @@ def test_train_in_bf16_reports_its_precision(tmp_path):
     assert report["privacy"]["epsilon"]["prv"] <= 4.0
     text = (run / "privacy_report.md").read_text()
     assert "bfloat16 forward/backward; per-sample gradients" in text
+
+
+def test_option_errors_name_the_option_typed(tmp_path, capsys):
+    cfg = Path(__file__).resolve().parents[2] / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
+    assert main(["train", str(cfg), "--out", str(tmp_path / "r"), "--epsilon", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error in the command-line options" in err
+    assert "--epsilon -1.0: must be a positive number" in err and "--set" not in err
+
+
+def test_batch_above_the_unit_count_is_said_and_accounting_stays_quiet(tmp_path, capsys):
+    import warnings
+
+    cfg = _config(tmp_path, method="dp-sgd", data={"max_train": 20}, training={"epochs": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", str(cfg), "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "training.batch_size=32 is more than the 20 training units" in err and "q = 1" in err
+    assert not [w for w in caught if "divide by zero" in str(w.message)]
