@@ -140,8 +140,8 @@ def test_missing_keys_lists_present(write_npz, make_arrays) -> None:
     del arrays["val_labels"], arrays["test_images"]
     with pytest.raises(
         DataValidationError,
-        match=r"missing keys \['val_labels', 'test_images'\]; present keys: \['classes', 'test_labels', "
-        r"'train_images', 'train_labels', 'val_images'\]",
+        match=r"missing keys \['val_labels', 'test_images'\]; present keys: \['classes', "
+        r"'test_labels', 'train_images', 'train_labels', 'val_images'\]",
     ):
         load_medmnist(write_npz(**arrays))
 
