@@ -6,12 +6,20 @@ volumes, and a per-item gradient clip bounds the contribution of a whole volume.
 patches as independent items would make the privacy unit a patch and understate the
 privacy loss of a patient by up to a factor ``k``.
 
+Random patches of a volume draw from that volume's own random stream, seeded by (run seed,
+case ID, how often the volume was drawn before), so they do not depend on which other volumes
+the secret Poisson sampler drew (:func:`~dpkfc_med.data.units.unit_random_state`).
+
 Intensity normalisation uses per-volume statistics only: a dataset-wide mean or percentile
 is a function of every private volume and would need its own privacy budget.
+
+The train/val/test split (:func:`deterministic_split`) assigns each case by a keyed hash of its
+own ID, so adding or removing a case of the folder changes the split of that case only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import warnings
@@ -26,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dpkfc_med.data.errors import DataValidationError
+from dpkfc_med.data.units import reseed_for_unit
 
 __all__ = [
     "CropMode",
@@ -562,35 +571,59 @@ def load_segmentation_folder(
     )
 
 
+def _split_uniform(case_id: str, seed: int) -> float:
+    """A uniform number in ``[0, 1)`` from a BLAKE2b hash of ``case_id`` keyed by ``seed``."""
+    key = int(seed).to_bytes(16, "little", signed=True)
+    digest = hashlib.blake2b(
+        case_id.encode("utf-8"), digest_size=8, key=key, person=b"dpkfc-split"
+    ).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)  # 53 bits: exact float
+
+
 def deterministic_split(
     case_ids: Sequence[str],
     fractions: Sequence[float] = (0.7, 0.15, 0.15),
     seed: int = 0,
     names: Sequence[str] = ("train", "val", "test"),
+    *,
+    allow_empty: bool = False,
 ) -> dict[str, list[str]]:
-    """Split case IDs reproducibly: sort, permute with a seeded generator, cut by fractions.
+    """Split case IDs reproducibly, each case by a keyed hash of its own ID.
 
-    Sorting first makes the result independent of file-system listing order, so the same IDs
-    and seed give the same split on every machine. Counts are ``floor(f * n)`` with the
-    remainder going to the largest fractional parts (earlier splits win ties). Write the
+    Case ``c`` gets ``u = blake2b(c, key=seed)`` read as a uniform number in ``[0, 1)`` and
+    joins the first split ``i`` with ``u < f_1 + ... + f_i``. Its split is a function of its
+    own ID and the seed only: adding a case to the folder or removing one changes the split of
+    that case and of no other (a permutation of all IDs cut by fractions would move many), and
+    the file-system listing order plays no part. Counts are therefore random, binomial around
+    ``f * n`` (for 220 cases and ``f = 0.15``: 33 +- 5.3), not ``floor(f * n)``. Write the
     result into the run directory (:func:`save_split`) so evaluation uses the same cases.
+
+    Privacy guarantee:
+        The split is stable in the neighbouring relation of the folder: adding or removing one
+        case changes at most that case's membership in the training split, so a guarantee about
+        the training split's units is one about the folder's cases.
 
     Args:
         case_ids: Unique case IDs.
         fractions: One non-negative fraction per split, summing to 1.
-        seed: Seed of ``numpy.random.default_rng``.
+        seed: Key of the hash (any integer in ``[-2**127, 2**127)``).
         names: Split names, as many as ``fractions``.
+        allow_empty: Return a split with a positive fraction that drew no case instead of
+            raising (a caller that reports other problems of the folder first).
 
     Returns:
         ``{name: sorted case IDs}`` in the order of ``names``.
 
     Raises:
-        ValueError: Duplicate IDs, fractions that are negative or do not sum to 1, or a
-            ``names`` / ``fractions`` length mismatch.
+        ValueError: Duplicate IDs, fractions that are negative or do not sum to 1, a
+            ``names`` / ``fractions`` length mismatch, or (unless ``allow_empty``) a split with
+            a positive fraction that drew no case (a folder too small for its fractions).
 
     Examples:
-        >>> deterministic_split([f"c{i}" for i in range(5)], seed=1)["test"]
-        ['c3']
+        >>> deterministic_split([f"c{i}" for i in range(10)], seed=1)["val"]
+        ['c4', 'c6']
+        >>> deterministic_split([f"c{i}" for i in range(11)], seed=1)["val"]  # c10 added
+        ['c4', 'c6']
     """
     ids = sorted(case_ids)
     problems = []
@@ -604,19 +637,25 @@ def deterministic_split(
     if problems:
         raise ValueError("deterministic_split: " + "; ".join(problems))
 
-    n = len(ids)
-    exact = np.asarray(fractions, dtype=np.float64) * n
-    counts = np.floor(exact).astype(int)
-    remainder = n - int(counts.sum())
-    # Stable sort on the negated fractional part: largest first, ties to the earlier split.
-    for i in np.argsort(-(exact - counts), kind="stable")[:remainder]:
-        counts[i] += 1
-    order = np.random.default_rng(seed).permutation(n)
-    out: dict[str, list[str]] = {}
-    start = 0
-    for name, count in zip(names, counts):
-        out[name] = sorted(ids[j] for j in order[start : start + count])
-        start += count
+    bounds = np.cumsum(np.asarray(fractions, dtype=np.float64))
+    bounds /= bounds[-1]  # exactly 1.0 at the end: rounding of the sum leaves no case out
+    out: dict[str, list[str]] = {name: [] for name in names}
+    for cid in ids:
+        u = _split_uniform(cid, seed)
+        # first split whose upper bound exceeds u (zero-fraction splits have an empty range)
+        out[names[int(np.searchsorted(bounds, u, side="right"))]].append(cid)
+    empty = [
+        f"split {name!r} (fraction {f:g}) drew none of the {len(ids)} cases"
+        for name, f in zip(names, fractions)
+        if f > 0 and not out[name]
+    ]
+    if empty and not allow_empty:
+        raise ValueError(
+            "deterministic_split: "
+            + "; ".join(empty)
+            + " (each case joins a split with probability equal to its fraction, by a hash of "
+            "its ID); add cases, raise the fraction, or set it to 0 if the split is not needed"
+        )
     return out
 
 
@@ -805,18 +844,27 @@ class VolumeDataset(Dataset):
         A sampler over this dataset includes or excludes whole volumes, and a per-item
         gradient (the loss summed over the ``k`` patches) is clipped as one unit, so the
         neighbouring relation is add/remove one volume (one case / patient in MSD data).
+        Before each item the transform is reseeded with that volume's own random state, a
+        function of ``(seed, case_id, draws of this volume so far)``
+        (:func:`~dpkfc_med.data.units.unit_random_state`): a volume's patches do not depend
+        on which other volumes were drawn before it, so its clipped gradient depends on its
+        own data and sampling history only.
 
     Args:
         cases: The indexed dataset.
         case_ids: The cases of this dataset (e.g. one split); all cases by default.
         transform: A callable mapping ``{"image", "label", "case_id"}`` file records to a dict
             or list of dicts; by default :func:`segmentation_transforms` with the arguments
-            below and ``label_values=cases.label_values``.
+            below and ``label_values=cases.label_values``. A random transform must own its
+            random state (``set_random_state``, as MONAI's ``Compose`` does) so that it can be
+            reseeded per volume; one drawing from a global generator would share it.
         spatial_size: Patch size for the default transform.
         train: Training (random patches) or evaluation pipeline for the default transform.
         num_patches_per_volume: ``k`` for the default transform.
-        seed: Seeds the transform's random state (MONAI ``set_random_state``) for
-            reproducible patches in the main process; MONAI's ``DataLoader`` reseeds workers.
+        seed: Run seed of the per-volume random streams: the ``d``-th draw of case ``c``
+            (counted per process; in a ``DataLoader`` worker the worker's seed is hashed in)
+            gets the same patches in every run and whatever else was drawn. ``None`` draws
+            each item's random state from OS entropy (independent, not reproducible).
         **transform_kwargs: Further arguments of :func:`segmentation_transforms`.
     """
 
@@ -846,14 +894,18 @@ class VolumeDataset(Dataset):
                 **transform_kwargs,
             )
         self.transform = transform
-        if seed is not None and hasattr(transform, "set_random_state"):
-            transform.set_random_state(seed=seed)
+        self.seed = seed
+        self._draws = [0] * len(self.records)  # per volume: times drawn in this process
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         record = dict(self.records[index])
+        # The volume's own stream, never one shared by all volumes: with a shared stream its
+        # patches would depend on how many other volumes the secret sampler drew before it.
+        reseed_for_unit(self.transform, self.seed, record["case_id"], self._draws[index])
+        self._draws[index] += 1
         try:
             out = self.transform(record)
         except Exception as err:

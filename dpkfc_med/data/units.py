@@ -22,11 +22,18 @@ the patient (or study) id of every training image:
 Images with the same id form one unit; :class:`UnitImageDataset` has one item per unit, so a
 Poisson sampler draws units, and :class:`UnitCollate` hands the trainer one unit index per
 image, so the optimizer sums a unit's per-image gradients before clipping.
+
+Random transforms of a unit draw from :func:`unit_random_state`, a stream of that unit's own
+(run seed, unit id, how often this unit was drawn before), never from a stream shared by all
+units: with a shared stream a unit's random crops would depend on how many other units the
+secret Poisson sampler drew before it, so its clipped gradient would depend on their
+membership.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +51,10 @@ __all__ = [
     "as_unit_id_strings",
     "group_by_unit",
     "read_unit_ids_csv",
+    "reseed_for_unit",
     "same_grouping",
     "unit_id_array_problems",
+    "unit_random_state",
 ]
 
 _SHOW = 10  # rows listed per kind of problem before "... and n more"
@@ -54,6 +63,56 @@ _SHOW = 10  # rows listed per kind of problem before "... and n more"
 def _listed(items: Sequence[Any]) -> str:
     shown = ", ".join(str(v) for v in items[:_SHOW])
     return shown + (f", ... and {len(items) - _SHOW} more" if len(items) > _SHOW else "")
+
+
+def unit_random_state(seed: int | None, unit_id: str, draw: int) -> np.random.RandomState:
+    """The random state of one draw of one unit, independent of every other unit.
+
+    The state is a function of ``(seed, unit_id, draw)`` only (a BLAKE2b hash of the three,
+    expanded by ``numpy.random.SeedSequence`` into an MT19937 state), so what a unit's random
+    transforms draw does not depend on which other units were drawn before it. In a
+    ``DataLoader`` worker the worker's seed (the loader's per-epoch base seed plus the worker
+    id, itself independent of the data) is hashed in as well, because each worker process
+    counts draws of its own copy of the dataset; PyTorch hands batch ``t`` to worker
+    ``t mod W``, so which worker counts a draw depends on the step, not on other units.
+    ``seed=None`` draws the state from OS entropy (independent, not reproducible).
+
+    Args:
+        seed: The run seed, or ``None`` for OS entropy.
+        unit_id: The unit (case or patient) id.
+        draw: How many times this unit was drawn before (in this process).
+
+    Returns:
+        A fresh ``numpy.random.RandomState`` (the type MONAI's ``set_random_state`` takes).
+
+    Examples:
+        >>> a = unit_random_state(0, "case_7", 2).randint(1 << 30)
+        >>> a == unit_random_state(0, "case_7", 2).randint(1 << 30)
+        True
+        >>> a == unit_random_state(0, "case_7", 3).randint(1 << 30)
+        False
+    """
+    if seed is None:
+        return np.random.RandomState(np.random.MT19937(np.random.SeedSequence()))
+    from torch.utils.data import get_worker_info
+
+    worker = get_worker_info()
+    key = f"{int(seed)}\x00{unit_id}\x00{int(draw)}\x00{'' if worker is None else worker.seed}"
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=32, person=b"dpkfc-unit-rng").digest()
+    entropy = int.from_bytes(digest, "little")
+    return np.random.RandomState(np.random.MT19937(np.random.SeedSequence(entropy)))
+
+
+def reseed_for_unit(transform: Any, seed: int | None, unit_id: str, draw: int) -> None:
+    """Give ``transform`` the random state of one draw of one unit (:func:`unit_random_state`).
+
+    Transforms that own a seedable random state (MONAI ``Randomizable`` and ``Compose``: a
+    ``set_random_state(seed=None, state=None)`` method) are reseeded; others are left alone and
+    must be deterministic (a transform drawing from a global generator would share that
+    generator between units).
+    """
+    if transform is not None and hasattr(transform, "set_random_state"):
+        transform.set_random_state(state=unit_random_state(seed, unit_id, draw))
 
 
 def read_unit_ids_csv(path: str | Path, num_images: int, *, images_file: str = "") -> list[str]:
@@ -225,7 +284,11 @@ class UnitImageDataset(Dataset):
         labels: ``[N]`` labels.
         groups: Per unit, the positions of its images in ``images``.
         names: Per unit, its id.
-        transform: Optional per-image callable (e.g. resizing).
+        transform: Optional per-image callable (e.g. resizing). A random one must own its
+            random state (``set_random_state``, as MONAI transforms do): it is reseeded for
+            each draw of a unit from (``seed``, unit id, the unit's draw count), see
+            :func:`reseed_for_unit`.
+        seed: Run seed of the per-unit random streams; ``None`` uses OS entropy.
     """
 
     def __init__(
@@ -235,6 +298,7 @@ class UnitImageDataset(Dataset):
         groups: Sequence[np.ndarray],
         names: Sequence[str],
         transform: Callable[[Tensor], Tensor] | None = None,
+        seed: int | None = None,
     ) -> None:
         if len(groups) != len(names):
             raise ValueError(
@@ -245,6 +309,8 @@ class UnitImageDataset(Dataset):
         self.groups = [torch.as_tensor(g, dtype=torch.int64) for g in groups]
         self.names = list(names)
         self.transform = transform
+        self.seed = seed
+        self._draws = [0] * len(self.groups)  # per unit: times drawn in this process
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -258,6 +324,8 @@ class UnitImageDataset(Dataset):
         index = self.groups[unit]
         image = self.images[index]
         if self.transform is not None:
+            reseed_for_unit(self.transform, self.seed, self.names[unit], self._draws[unit])
+            self._draws[unit] += 1
             image = torch.stack([self.transform(im) for im in image])
         return {
             "image": image,

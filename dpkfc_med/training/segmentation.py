@@ -12,12 +12,21 @@ Privacy unit:
     (:meth:`~dpkfc_med.privacy.optimizer.ScaleThenPrivatizeOptimizer.set_unit_ids`): adding or
     removing a patient moves the clipped sum by at most ``C`` whatever ``k`` is.
 
+Random patches:
+    Each volume's patches draw from its own random stream, seeded by ``training.seed``, the
+    case ID and how often that volume was drawn before
+    (:func:`~dpkfc_med.data.units.unit_random_state`), never from one stream shared by all
+    volumes, so a volume's patches (and its clipped gradient) do not depend on which other
+    volumes the Poisson sampler drew.
+
 Split:
-    The case-level train/val/test split is a function of the sorted case IDs, the fractions
-    ``data.split_fractions`` and ``training.seed`` only
-    (:func:`~dpkfc_med.data.deterministic_split`); ``data.max_train``/``max_eval`` keep the first
-    ``n`` IDs of each split. The split is recorded in the privacy report (``data.split``) and
-    written to ``split.json`` in the run directory.
+    Each case's train/val/test split is a function of its own ID, the fractions
+    ``data.split_fractions`` and ``training.seed`` only (a keyed hash,
+    :func:`~dpkfc_med.data.deterministic_split`), so adding or removing one case of the folder
+    changes the split of that case only; split sizes are binomial around the fractions.
+    ``data.max_train``/``max_eval`` keep the first ``n`` IDs of each split. The split is
+    recorded in the privacy report (``data.split``) and written to ``split.json`` in the run
+    directory.
 
 Preprocessing uses per-volume statistics only (z-score over nonzero voxels), so no dataset-wide
 statistic of the private data is released. Evaluation reads whole volumes (padded to at least
@@ -222,25 +231,26 @@ class SegmentationTask(Task):
 
     _loss_fn: Any = None
 
-    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        """Dice + cross-entropy (MONAI ``DiceCELoss``), a mean of per-patch terms.
+    def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Dice + cross-entropy of each patch ``[N]`` (MONAI ``DiceLoss``, ``batch=False``).
 
-        The cross-entropy is the mean over voxels and patches; the soft Dice is computed per
-        patch and class (``batch=False``) and averaged. Both are therefore means over patches
-        of per-patch losses, so Opacus' ``loss_reduction="mean"`` rescaling yields each
-        patch's own gradient, and the optimizer sums the ``k`` patches of a volume before
-        clipping. The Dice term keeps the small foreground classes from being swamped by
-        background voxels, which otherwise stalls noisy training at "all background".
+        Each patch's term is its soft Dice loss averaged over classes plus its cross-entropy
+        averaged over voxels; their batch mean is MONAI's ``DiceCELoss(batch=False)``. The
+        optimizer sums the ``k`` patches of a volume before clipping. The Dice term keeps the
+        small foreground classes from being swamped by background voxels, which otherwise
+        stalls noisy training at "all background".
 
         Args:
             outputs: logits ``[N, K, *p]``.
             targets: class ids ``[N, *p]``.
         """
         if self._loss_fn is None:
-            from monai.losses import DiceCELoss
+            from monai.losses import DiceLoss
 
-            self._loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, batch=False)
-        return self._loss_fn(outputs, targets.unsqueeze(1))
+            self._loss_fn = DiceLoss(to_onehot_y=True, softmax=True, batch=False, reduction="none")
+        dice = self._loss_fn(outputs, targets.unsqueeze(1)).flatten(1).mean(1)
+        ce = F.cross_entropy(outputs, targets, reduction="none").flatten(1).mean(1)
+        return dice + ce
 
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-probe loss ``[M]``: mean over voxels of the cross-entropy."""
@@ -556,10 +566,11 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     spec = data_path or cfg.data.path
     root = resolve_data_path(spec, kind="dir")
     cases = load_segmentation_folder(root)
-    try:
-        split_ids = deterministic_split(cases.case_ids, cfg.data.split_fractions, cfg.training.seed)
+    fractions, seed = cfg.data.split_fractions, cfg.training.seed
+    try:  # an empty split is reported below, after the cases: a bad case is named first
+        split_ids = deterministic_split(cases.case_ids, fractions, seed, allow_empty=True)
     except ValueError as err:
-        raise ConfigError([f"data.split_fractions={cfg.data.split_fractions!r}: {err}"]) from None
+        raise ConfigError([f"data.split_fractions={fractions!r}: {err}"]) from None
     caps = {"train": cfg.data.max_train, "val": cfg.data.max_eval, "test": cfg.data.max_eval}
     for name, cap in caps.items():
         if cap is not None:
@@ -569,6 +580,11 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     # Foreign data is evaluated on every case; the run's own data only on the cases in use.
     checked = cases if not own_data else cases.select(used)
     checked.validate_all()
+    if own_data:  # other data is evaluated whole ("all"), whatever its split
+        try:
+            deterministic_split(cases.case_ids, fractions, seed)  # a split too small?
+        except ValueError as err:
+            raise ConfigError([f"data.split_fractions={fractions!r}: {err}"]) from None
     problems: list[str] = []
     declared = cfg.data.num_classes
     num_classes = cases.num_classes
@@ -635,8 +651,9 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
         "splits": {name: len(ids) for name, ids in split_ids.items()},
         "split": split_ids,
         "split_rule": (
-            f"deterministic_split(sorted case ids, fractions={list(cfg.data.split_fractions)}, "
-            f"seed={cfg.training.seed}); max_train/max_eval keep the first n ids of a split"
+            f"deterministic_split(case ids, fractions={list(cfg.data.split_fractions)}, "
+            f"seed={cfg.training.seed}): each case by a hash of its id keyed by the seed; "
+            "max_train/max_eval keep the first n ids of a split"
         ),
         "subset": {"max_train": cfg.data.max_train, "max_eval": cfg.data.max_eval},
         "num_classes_source": classes_from,

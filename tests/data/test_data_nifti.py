@@ -102,22 +102,107 @@ def test_transform_options() -> None:
 # --- deterministic split -------------------------------------------------------------------
 
 
+def _membership(split: dict[str, list[str]]) -> dict[str, str]:
+    return {cid: name for name, ids in split.items() for cid in ids}
+
+
 def test_deterministic_split(tmp_path: Path) -> None:
     ids = [f"hippocampus_{i:03d}" for i in range(220)]
     split = deterministic_split(ids, seed=0)
-    assert [len(v) for v in split.values()] == [154, 33, 33]
     assert sorted(sum(split.values(), [])) == ids  # disjoint and complete
+    assert all(v == sorted(v) for v in split.values())
+    # Binomial counts around f * n (154, 33, 33), not floor(f * n): within 3 standard deviations.
+    for (name, ids_in), f in zip(split.items(), (0.7, 0.15, 0.15)):
+        assert abs(len(ids_in) - f * 220) <= 3 * (220 * f * (1 - f)) ** 0.5, (name, len(ids_in))
     assert deterministic_split(list(reversed(ids)), seed=0) == split  # input order irrelevant
     assert deterministic_split(ids, seed=1) != split
-    assert deterministic_split([f"c{i}" for i in range(5)]) == deterministic_split(
-        [f"c{i}" for i in range(5)]
+    assert deterministic_split(ids, seed=0, names=("a", "b", "c")) == dict(
+        zip("abc", split.values())
     )
-    assert [len(v) for v in deterministic_split([f"c{i}" for i in range(5)]).values()] == [3, 1, 1]
+    # A zero fraction gets no case; an all-training split holds every case.
+    assert deterministic_split(ids, fractions=(0.8, 0.2, 0.0))["test"] == []
+    assert deterministic_split(ids, fractions=(1.0, 0.0, 0.0))["train"] == ids
     assert load_split(save_split(split, tmp_path / "run" / "split.json")) == split
     with pytest.raises(ValueError, match=r"duplicate case IDs \['a'\]"):
         deterministic_split(["a", "a", "b"])
     with pytest.raises(ValueError, match="must be >= 0 and sum to 1"):
         deterministic_split(ids, fractions=(0.5, 0.2, 0.2))
+
+
+def test_split_of_a_case_does_not_depend_on_the_other_cases() -> None:
+    """Adding or removing one case of the folder changes at most that case's split."""
+    ids = [f"hippocampus_{i:03d}" for i in range(220)]
+    for seed in (0, 1, 7):
+        base = _membership(deterministic_split(ids, seed=seed))
+        for removed in ids[::11]:
+            rest = [c for c in ids if c != removed]
+            after = _membership(deterministic_split(rest, seed=seed))
+            moved = [c for c in rest if after[c] != base[c]]
+            assert not moved, f"seed {seed}: removing {removed} moved {moved}"
+        for added in ("hippocampus_999", "aaa_first", "zzz_last", "hippocampus_100b"):
+            after = _membership(deterministic_split([*ids, added], seed=seed))
+            moved = [c for c in ids if after[c] != base[c]]
+            assert not moved, f"seed {seed}: adding {added} moved {moved}"
+
+
+def test_split_too_small_for_its_fractions_names_fraction_and_count() -> None:
+    ids = ["case_a", "case_b", "case_c", "case_d"]
+    with pytest.raises(ValueError, match=r"split 'val' \(fraction 0.15\) drew none of the 4 cases"):
+        deterministic_split(ids, seed=0)
+    split = deterministic_split(ids, seed=0, allow_empty=True)
+    assert split["val"] == [] and sorted(sum(split.values(), [])) == ids
+
+
+# --- per-volume random streams -------------------------------------------------------------
+
+
+def test_patches_of_a_volume_do_not_depend_on_other_volumes_drawn(hippo_cases) -> None:
+    """Same seed and draw count: A's patches are the same whether or not B was drawn first."""
+    ids = hippo_cases.case_ids[:3]
+
+    def dataset(seed: int | None = 0) -> VolumeDataset:
+        return VolumeDataset(
+            hippo_cases,
+            case_ids=ids,
+            spatial_size=(16, 24, 16),
+            num_patches_per_volume=3,
+            seed=seed,
+        )
+
+    alone = dataset()
+    a_first = alone[0]["image"]
+    a_second = alone[0]["image"]
+    after_b = dataset()
+    after_b[1]
+    after_b[2]
+    assert torch.equal(after_b[0]["image"], a_first)  # B and C drawn before A: no effect
+    assert torch.equal(after_b[0]["image"], a_second)  # A's second draw, after B and C
+    assert not torch.equal(a_first, a_second)  # a new draw of a volume gets new patches
+    assert not torch.equal(dataset(seed=1)[0]["image"], a_first)  # the run seed counts
+    # Without a seed every draw comes from OS entropy: independent of the others as well.
+    free = dataset(seed=None)
+    assert not torch.equal(free[0]["image"], free[0]["image"])
+
+
+def test_patches_do_not_depend_on_other_volumes_with_loader_workers(hippo_cases) -> None:
+    """In a DataLoader worker too: batches {A} and {B, A} give A the same patches."""
+    ids = hippo_cases.case_ids[:2]
+
+    def first_image(batches: list[list[int]]) -> torch.Tensor:
+        ds = VolumeDataset(
+            hippo_cases, case_ids=ids, spatial_size=16, num_patches_per_volume=2, seed=0
+        )
+        loader = DataLoader(
+            ds,
+            batch_sampler=batches,
+            num_workers=1,
+            generator=torch.Generator().manual_seed(0),
+            multiprocessing_context="fork",
+        )
+        batch = next(iter(loader))
+        return batch["image"][batch["case_id"].index(ids[0])]
+
+    assert torch.equal(first_image([[0]]), first_image([[1, 0]]))
 
 
 # --- synthetic folders ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dpkfc_med.data.units import (
     group_by_unit,
     read_unit_ids_csv,
     same_grouping,
+    unit_random_state,
 )
 
 
@@ -110,3 +111,38 @@ def test_image_digests_match_exact_content_only():
     assert count_shared(image_digests(b), image_digests(a)) == 2
     assert count_shared(image_digests(a.double()), image_digests(a)) == 0  # dtype counts
     assert len(set(image_digests(a))) == 4
+
+
+def test_random_transform_of_a_unit_does_not_depend_on_other_units_drawn():
+    """A unit's random augmentation at its n-th draw is the same whoever was drawn before."""
+    from monai.transforms import RandGaussianNoise
+
+    images = torch.zeros(5, 1, 4, 4)
+    labels = torch.zeros(5, dtype=torch.int64)
+    names, groups = group_by_unit(["p", "q", "p", "r", "r"])
+
+    def dataset(seed: int | None = 0) -> UnitImageDataset:
+        noise = RandGaussianNoise(prob=1.0, std=1.0)
+        return UnitImageDataset(images, labels, groups, names, transform=noise, seed=seed)
+
+    alone = dataset()
+    p_first, p_second = alone[0]["image"], alone[0]["image"]
+    after_others = dataset()
+    after_others[1]
+    after_others[2]
+    assert torch.equal(after_others[0]["image"], p_first)
+    assert torch.equal(after_others[0]["image"], p_second)
+    assert not torch.equal(p_first, p_second)  # each draw of a unit is a new augmentation
+    assert not torch.equal(p_first[0], p_first[1])  # the unit's two images differ
+    assert not torch.equal(dataset(seed=1)[0]["image"], p_first)
+
+
+def test_unit_random_state_is_a_function_of_seed_unit_and_draw():
+    def draw(seed, unit, n):
+        return unit_random_state(seed, unit, n).randint(1 << 30, size=4).tolist()
+
+    assert draw(0, "p", 0) == draw(0, "p", 0)
+    assert (
+        len({str(draw(*key)) for key in [(0, "p", 0), (1, "p", 0), (0, "q", 0), (0, "p", 1)]}) == 4
+    )
+    assert draw(None, "p", 0) != draw(None, "p", 0)  # OS entropy

@@ -218,6 +218,31 @@ def test_removing_one_patient_moves_clipped_sum_by_at_most_c(method, float64):
     assert (per_patch(x, y) - per_patch(xr, yr)).norm() > 1.0 + 1e-6
 
 
+@needs_hippo
+def test_training_patches_of_a_patient_do_not_depend_on_other_patients_drawn():
+    """The task's training set: patient A's n-th draw has the same patches whether or not
+    other patients were drawn before it (a stream shared by all patients would differ)."""
+    from dpkfc_med.training.config import load_config
+    from dpkfc_med.training.segmentation import build_segmentation_task
+
+    cfg = load_config(CONFIG, TINY)
+
+    def train_set():
+        return build_segmentation_task(cfg).train_set
+
+    alone = train_set()
+    first, second = alone[0], alone[0]
+    others = train_set()
+    others[1]
+    others[2]
+    again, again_second = others[0], others[0]  # A's first and second draw, after B and C
+    assert again["case_id"] == first["case_id"]
+    assert torch.equal(again["image"], first["image"])
+    assert torch.equal(again["label"], first["label"])
+    assert torch.equal(again_second["image"], second["image"])
+    assert not torch.equal(first["image"], second["image"])  # a new draw, new patches
+
+
 def _probe_cfg():
     from dpkfc_med.training.config import config_from_dict
 
@@ -307,6 +332,17 @@ def test_bad_inputs_exit_2_naming_the_case_and_write_no_run(problem, message, tm
     err = capsys.readouterr().err
     assert code == 2
     assert "case_c" in err and message in err, err
+    assert not (out / "run.json").exists()
+
+
+def test_folder_too_small_for_the_split_fractions_is_refused(tmp_path, capsys):
+    """Four clean cases at 0.7/0.15/0.15: an empty split is named with its fraction and count."""
+    folder = _folder(tmp_path / "data", "none")
+    out = tmp_path / "run"
+    code = main(["train", str(CONFIG), "--out", str(out), "--data", str(folder), *_sets(TINY)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "data.split_fractions" in err and "(fraction 0.15) drew none of the 4 cases" in err
     assert not (out / "run.json").exists()
 
 
