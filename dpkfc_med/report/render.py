@@ -362,18 +362,27 @@ def method_text(report: Mapping[str, Any]) -> str:
     return text
 
 
+def _short_digest(sha: Any) -> str:
+    """The first 12 hex digits of a digest (or of each file's digest in a mapping)."""
+    if isinstance(sha, Mapping):
+        return ", ".join(f"{k}: {str(v)[:12]}" for k, v in sha.items())
+    return str(sha)[:12]
+
+
 def preconditioner_statement(report: Mapping[str, Any]) -> str:
     """Whether private data went into the preconditioner, in one line."""
     pre = report["preconditioner"]
     if pre is None:
         return "Not applicable: no preconditioner"
-    if pre["external_data"] is not None and pre["uses_private_data"]:
-        return (
-            f"YES: the public proxy {pre['external_data']['path']} overlaps the private training "
-            "set (allowed by probes.allow_public_overlap); NOT covered by the guarantee"
-        )
-    if pre["external_data"] is not None:
-        return f"No private data; external public data: {pre['external_data']['path']}"
+    ext = pre["external_data"]
+    if ext is not None:  # named by its digest: its path stays in the custodian report
+        name = ext.get("path") or f"(SHA-256 {_short_digest(ext.get('sha256'))})"
+        if pre["uses_private_data"]:
+            return (
+                f"YES: the public proxy {name} overlaps the private training set (allowed by "
+                "probes.allow_public_overlap); NOT covered by the guarantee"
+            )
+        return f"No private data; external public data {name}"
     return f"No: built from synthetic probes only ({probe_summary(pre)})"
 
 

@@ -580,12 +580,12 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     # Foreign data is evaluated on every case; the run's own data only on the cases in use.
     checked = cases if not own_data else cases.select(used)
     checked.validate_all()
+    problems: list[str] = []  # every config problem is reported at once
     if own_data:  # other data is evaluated whole ("all"), whatever its split
         try:
             deterministic_split(cases.case_ids, fractions, seed)  # a split too small?
         except ValueError as err:
-            raise ConfigError([f"data.split_fractions={fractions!r}: {err}"]) from None
-    problems: list[str] = []
+            problems.append(f"data.split_fractions={fractions!r}: {err}")
     declared = cfg.data.num_classes
     num_classes = cases.num_classes
     classes_from = "dataset.json 'labels' (the task's declared classes)"

@@ -222,7 +222,13 @@ def test_segmentation_probe_settings_never_come_from_private_headers(tmp_path, c
     folder = _folder(tmp_path / "data", "none")
     (folder / "dataset.json").unlink()  # no declared labels either
     out = tmp_path / "run"
-    unset = ["data.spacing=null", "data.patch_size=null", "data.num_classes=null"]
+    # 4 cases: fractions and the default seed that give every split a case
+    unset = [
+        "data.spacing=null",
+        "data.patch_size=null",
+        "data.num_classes=null",
+        "data.split_fractions=[0.5,0.25,0.25]",
+    ]
     args = ["train", str(CONFIG), "--out", str(out), "--data", str(folder)]
     code = main([*args, *_sets([*TINY, *unset])])
     err = capsys.readouterr().err
@@ -234,7 +240,8 @@ def test_segmentation_probe_settings_never_come_from_private_headers(tmp_path, c
     ):
         assert f"{field}: required" in err and hint in err, (field, err)
     # with the values stated in the config the same folder trains
-    assert main([*args, *_sets([*TINY, "data.num_classes=3", "data.max_eval=1"])]) == 0
+    fractions = "data.split_fractions=[0.5,0.25,0.25]"
+    assert main([*args, *_sets([*TINY, "data.num_classes=3", "data.max_eval=1", fractions])]) == 0
     rep = _report(out)
     assert rep["data"]["spacing_source"] == "data.spacing"
     assert rep["data"]["num_classes_source"] == "data.num_classes"
