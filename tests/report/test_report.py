@@ -506,13 +506,15 @@ def test_nonprivate_banner_and_no_epsilon():
 def test_public_data_statement():
     report = example_report(privacy__method="dp-kfc-public")
     report["preconditioner"]["external_data"] = {
-        "path": "public/cbis-ddsm.npz",
         "sha256": _sha("public"),
         "note": "public mammography set",
     }
-    md = render_markdown(report)
-    assert "No private data; external public data: public/cbis-ddsm.npz" in md
+    md = render_markdown(report)  # the shareable report names the proxy by its digest
+    assert f"No private data; external public data (SHA-256 {_sha('public')[:12]})" in md
     assert f"`{_sha('public')}`" in md
+    report["preconditioner"]["external_data"]["path"] = "public/cbis-ddsm.npz"
+    md = render_markdown(report)  # the full (custodian-side) record names it by its path
+    assert "No private data; external public data public/cbis-ddsm.npz" in md
 
 
 # --------------------------------------------------------------------------- rounding
