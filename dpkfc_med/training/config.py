@@ -263,16 +263,18 @@ class PretrainConfig:
         seed: seed of the synthetic volumes.
         cache_dir: folder where pretrained weights are kept and reused, keyed by a hash of
             everything that determines them (initial weights, network, these settings, the
-            synthetic data's shape, spacing and classes, loss, device type, versions); null =
-            no cache. Runs that differ only in method, epsilon, learning rate or private data
-            then pretrain once. The folder holds no private data.
+            synthetic data's shape, spacing and classes, loss, device type, versions). ``auto``
+            (default): ``.pretrain_cache`` beside the run directory (``runs/.pretrain_cache``
+            for ``output.dir: runs/{name}``), so a retried or resumed run, and runs that differ
+            only in method, epsilon, learning rate or private data, pretrain once; null = no
+            cache. The folder holds no private data.
     """
 
     steps: int = 0
     batch_size: int = 8
     lr: float = 0.003
     seed: int = 0
-    cache_dir: str | None = None
+    cache_dir: str | None = "auto"
 
 
 @dataclass

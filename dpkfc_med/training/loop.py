@@ -91,6 +91,7 @@ LEDGER = "ledger.json"
 RUN_JSON = "run.json"
 PLAN_JSON = "plan.json"
 CONFIG_HISTORY = "config_history.yaml"
+PRETRAIN_CACHE = ".pretrain_cache"  # pretrain.cache_dir: auto, beside the run directory
 
 log = logging.getLogger("dpkfc_med")
 
@@ -786,7 +787,7 @@ def _pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device
         spacing=task.spacing or (1.0,) * len(task.spatial_shape),
         alpha=alpha,
         device=device,
-        cache_dir=p.cache_dir,
+        cache_dir=(cfg.run_dir().parent / PRETRAIN_CACHE if p.cache_dir == "auto" else p.cache_dir),
         loss_id=f"{type(task).__module__}.{type(task).__qualname__}.loss",
     )
 

@@ -40,6 +40,7 @@ import hashlib
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -566,6 +567,10 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     spec = data_path or cfg.data.path
     root = resolve_data_path(spec, kind="dir")
     cases = load_segmentation_folder(root)
+    if cases.num_classes is None and cfg.data.num_classes is not None:
+        # classes declared in the config: every case's label values are checked against them
+        # now, before any pretraining or training (naming the case), not mid-run
+        cases = replace(cases, num_classes=cfg.data.num_classes)
     fractions, seed = cfg.data.split_fractions, cfg.training.seed
     try:  # an empty split is reported below, after the cases: a bad case is named first
         split_ids = deterministic_split(cases.case_ids, fractions, seed, allow_empty=True)
@@ -587,7 +592,7 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
         except ValueError as err:
             problems.append(f"data.split_fractions={fractions!r}: {err}")
     declared = cfg.data.num_classes
-    num_classes = cases.num_classes
+    num_classes = cases.num_classes if cases.label_names else None  # dataset.json's
     classes_from = "dataset.json 'labels' (the task's declared classes)"
     if declared is not None:
         if num_classes is not None and num_classes != declared:
@@ -607,12 +612,22 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
             )
         num_classes = top
         classes_from = "largest label value in the data + 1 (evaluation of other data)"
-    channels = {c.channels for c in cases}
-    if len(channels) != 1:
-        raise DataValidationError(
-            root, [f"cases have different channel counts {sorted(channels)}; use one modality set"]
+    by_channels: dict[int, list[str]] = {}
+    for case in cases:
+        by_channels.setdefault(case.channels, []).append(case.image_path.name)
+    if len(by_channels) != 1:
+        groups = "; ".join(
+            f"{n} channel(s): {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+            for n, names in sorted(by_channels.items())
         )
-    in_channels = channels.pop()
+        raise DataValidationError(
+            root,
+            [
+                f"cases have different channel counts ({groups}); every case needs the same "
+                "modalities in the same order: fix or remove the odd files"
+            ],
+        )
+    in_channels = next(iter(by_channels))
     patch = _patch_size(cfg, cases, problems)
     spacing, spacing_from = _spacing(cfg, cases, problems)
     if problems:

@@ -153,7 +153,7 @@ def test_pretrain_cache_reuses_bitwise_the_weights_it_would_compute(tmp_path):
     from dpkfc_med.training.tasks import build_task
 
     cache = tmp_path / "cache"
-    cfg = load_config(CONFIG, TINY + ["data.max_train=4"])
+    cfg = load_config(CONFIG, TINY + ["data.max_train=4", "pretrain.cache_dir=null"])
     task = build_task(cfg)
     fresh_record, fresh = _pretrained(cfg, task)
     assert "cache" not in fresh_record
@@ -180,6 +180,22 @@ def test_pretrain_cache_reuses_bitwise_the_weights_it_would_compute(tmp_path):
         third, _ = _pretrained(cfg3, task)
         assert third["cache"]["reused"] is False, change
     assert len(list(cache.glob("*.pt"))) == 3
+
+
+def test_pretraining_is_cached_beside_the_run_by_default(tmp_path):
+    """A retried run (another run folder under the same parent) reuses the pretraining."""
+    from dpkfc_med.training.tasks import build_task
+
+    cfg = load_config(CONFIG, TINY + ["data.max_train=4", f"output.dir={tmp_path / 'runs' / 'a'}"])
+    assert cfg.pretrain.cache_dir == "auto"
+    task = build_task(cfg)
+    first, w1 = _pretrained(cfg, task)
+    assert first["cache"]["reused"] is False
+    assert len(list((tmp_path / "runs" / ".pretrain_cache").glob("*.pt"))) == 1
+    cfg.output.dir = str(tmp_path / "runs" / "b")
+    second, w2 = _pretrained(cfg, task)
+    assert second["cache"]["reused"] is True
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
 def test_resume_may_move_the_pretraining_cache_but_not_change_pretraining():

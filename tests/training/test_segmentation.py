@@ -420,3 +420,34 @@ def test_hausdorff95_matches_brute_force_and_flags_absent_and_missed_classes():
         torch.from_numpy(missed)[None, None], torch.from_numpy(true)[None, None], 3, spacing
     )
     assert torch.isinf(got[0, 1]) and torch.isfinite(got[0, 0])
+
+
+def test_label_values_outside_the_config_classes_are_refused_before_pretraining(
+    tmp_path, capsys, monkeypatch
+):
+    """No dataset.json labels, data.num_classes=3: a case with label 5 is named at once."""
+    import dpkfc_med.training.loop as loop
+
+    def never(*args, **kwargs):
+        raise AssertionError("pretraining started before the cases were validated")
+
+    monkeypatch.setattr(loop, "pretrain_synthetic", never)
+    folder = _folder(tmp_path / "data", "label value")
+    (folder / "dataset.json").unlink(missing_ok=True)
+    out = tmp_path / "run"
+    args = ["train", str(CONFIG), "--out", str(out), "--data", str(folder)]
+    sets = [*TINY, "data.num_classes=3", "pretrain.steps=1000"]
+    assert main([*args, *_sets(sets)]) == 2
+    err = capsys.readouterr().err
+    assert "case_c" in err and "5" in err and not out.exists()
+
+
+def test_mixed_channel_counts_name_the_files(tmp_path, capsys):
+    folder = _folder(tmp_path / "data", "none")
+    two = np.random.default_rng(1).random((8, 8, 8, 2)).astype(np.float32)
+    _write(folder / "imagesTr" / "case_b.nii.gz", two)
+    out = tmp_path / "run"
+    args = ["train", str(CONFIG), "--out", str(out), "--data", str(folder)]
+    assert main([*args, *_sets([*TINY, "data.num_classes=3"])]) == 2
+    err = capsys.readouterr().err
+    assert "different channel counts" in err and "case_b.nii.gz" in err and not out.exists()
