@@ -78,18 +78,24 @@ def write_report(
     if problems:
         raise ReportSchemaError([f"custodian report: {p}" for p in problems])
     run_dir = Path(run_dir)
-    written: dict[str, Path] = {}
+    # Everything is rendered in memory first: a renderer that fails leaves no file behind, so
+    # a report on disk always has all of its views. The JSON record is written last.
+    files: dict[str, tuple[Path, bytes]] = {}
     if custodian is not None:
         ctext = _json_text(custodian)
-        cpath = run_dir / CUSTODIAN_FILES["json"]
-        atomic_write_bytes(cpath, ctext.encode("utf-8"))
-        written["custodian_json"] = cpath
-        written.update(_write_custodian_views(json.loads(ctext), run_dir))
+        files["custodian_json"] = (run_dir / CUSTODIAN_FILES["json"], ctext.encode("utf-8"))
+        files.update(_custodian_views(json.loads(ctext), run_dir))
     text = _json_text(report)
-    json_path = run_dir / REPORT_FILES["json"]
-    atomic_write_bytes(json_path, text.encode("utf-8"))
     # Render from the JSON as stored, so rerender() reproduces these files exactly.
-    return {"json": json_path, **_write_views(json.loads(text), run_dir), **written}
+    files.update(_views(json.loads(text), run_dir))
+    files["json"] = (run_dir / REPORT_FILES["json"], text.encode("utf-8"))
+    return _write_all(files)
+
+
+def _write_all(files: Mapping[str, tuple[Path, bytes]]) -> dict[str, Path]:
+    for path, blob in files.values():
+        atomic_write_bytes(path, blob)
+    return {key: path for key, (path, _) in files.items()}
 
 
 def _json_text(report: Mapping[str, Any]) -> str:
@@ -99,30 +105,24 @@ def _json_text(report: Mapping[str, Any]) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def _write_custodian_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, Path]:
-    written: dict[str, Path] = {}
-    for key, png in render_custodian_plots(data).items():
-        path = run_dir / CUSTODIAN_FILES[f"{key}_plot"]
-        atomic_write_bytes(path, png)
-        written[f"custodian_{key}_plot"] = path
-    path = run_dir / CUSTODIAN_FILES["markdown"]
-    atomic_write_bytes(path, render_custodian_markdown(data).encode("utf-8"))
-    written["custodian_markdown"] = path
-    return written
+def _custodian_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, tuple[Path, bytes]]:
+    files = {
+        f"custodian_{key}_plot": (run_dir / CUSTODIAN_FILES[f"{key}_plot"], png)
+        for key, png in render_custodian_plots(data).items()
+    }
+    files["custodian_markdown"] = (
+        run_dir / CUSTODIAN_FILES["markdown"],
+        render_custodian_markdown(data).encode("utf-8"),
+    )
+    return files
 
 
-def _write_views(data: Mapping[str, Any], run_dir: Path) -> dict[str, Path]:
+def _views(data: Mapping[str, Any], run_dir: Path) -> dict[str, tuple[Path, bytes]]:
     plots = render_plots(data)
-    written: dict[str, Path] = {}
-    for key, png in plots.items():
-        path = run_dir / PLOT_FILES[key]
-        atomic_write_bytes(path, png)
-        written[f"{key}_plot"] = path
+    files = {f"{key}_plot": (run_dir / PLOT_FILES[key], png) for key, png in plots.items()}
     for key, text in (("markdown", render_markdown(data)), ("html", render_html(data, plots))):
-        path = run_dir / REPORT_FILES[key]
-        atomic_write_bytes(path, text.encode("utf-8"))
-        written[key] = path
-    return written
+        files[key] = (run_dir / REPORT_FILES[key], text.encode("utf-8"))
+    return files
 
 
 def load_report(run_dir: str | Path) -> dict[str, Any]:
@@ -161,9 +161,11 @@ def rerender(run_dir: str | Path) -> dict[str, Path]:
     """
     run_dir = Path(run_dir)
     data = load_report(run_dir)
-    out = {"json": run_dir / REPORT_FILES["json"], **_write_views(data, run_dir)}
+    files = _views(data, run_dir)
     cpath = run_dir / CUSTODIAN_FILES["json"]
     if cpath.is_file():
+        files.update(_custodian_views(json.loads(cpath.read_text(encoding="utf-8")), run_dir))
+    out = {"json": run_dir / REPORT_FILES["json"], **_write_all(files)}
+    if cpath.is_file():
         out["custodian_json"] = cpath
-        out.update(_write_custodian_views(json.loads(cpath.read_text(encoding="utf-8")), run_dir))
     return out

@@ -715,3 +715,16 @@ def test_coverage_shares_are_stated_under_the_covered_layers():
     total = sum(r["params"] for r in rows)
     assert f"Of {total:,} trainable parameters, " in md
     assert "% the fallback rule." in md.split("### Covered layers")[1]
+
+
+def test_a_renderer_that_fails_leaves_no_half_written_report(tmp_path, monkeypatch):
+    """No privacy_report.json without its Markdown and HTML (a crash mid-way wrote the JSON)."""
+    import dpkfc_med.report.writer as writer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("renderer bug")
+
+    monkeypatch.setattr(writer, "render_html", broken)
+    with pytest.raises(RuntimeError, match="renderer bug"):
+        write_report(example_report(), tmp_path, custodian=example_custodian())
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
