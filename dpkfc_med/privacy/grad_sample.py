@@ -111,12 +111,21 @@ def ghost_eligible(module: nn.Module, block: KroneckerBlock | None) -> bool:
     )
 
 
-def ghost_chosen(mode: str, block: KroneckerBlock, positions: int) -> bool:
-    """``privacy.clipping`` ``mode``'s choice for one eligible layer at ``positions`` (T)."""
+def ghost_chosen(
+    mode: str, block: KroneckerBlock, positions: int, device_type: str = "cpu"
+) -> bool:
+    """``privacy.clipping`` ``mode``'s choice for one eligible layer at ``positions`` (T).
+
+    ``auto`` weighs multiply-adds on a CPU. On a GPU it keeps per-sample gradients: there the
+    ghost path's extra kernel launches, not arithmetic, set the cost, and it was the slowest
+    mode on every model measured (benchmarks/results/gpu_h200.md).
+    """
     if mode == "per_sample":
         return False
     if mode == "ghost":
         return positions <= MAX_GHOST_POSITIONS
+    if device_type == "cuda":
+        return False
     g, n_a, n_g = block.dims
     base = positions * g * n_a * n_g  # the raw outer product, in both of block.cost's paths
     factored, materialized = block.cost(1, positions)  # both == base without a transform
@@ -192,7 +201,7 @@ def _preconditioned_sampler(
         )
         g, _, n_g = ghost_block.dims
         positions = math.prod(backprops.shape[1:]) // (g * n_g)
-        if ghost_chosen(ghost[0], ghost_block, positions):
+        if ghost_chosen(ghost[0], ghost_block, positions, backprops.device.type):
             return _ghost_sampler(
                 module, adapter, activations[0], backprops, ghost_block, kept, ghost[1]
             )
