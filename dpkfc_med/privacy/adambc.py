@@ -42,16 +42,16 @@ class DPAdamBC(torch.optim.Optimizer):
         lr: learning rate.
         betas: Adam's ``(beta1, beta2)``.
         gamma: floor of the corrected second moment (the paper's ``gamma'``); it bounds the
-            per-coordinate step at ``lr * |m_hat| / sqrt(gamma)`` where noise dominates. The
-            training loop sets it to ``Phi`` unless the config names one: a coordinate with
+            per-coordinate step at ``lr * |m_hat| / sqrt(gamma)`` where noise dominates.
+            ``None``: ``Phi``, set with the noise variance (:meth:`set_noise`); a coordinate with
             no signal then moves about ``0.2 lr`` per step (``m_hat`` of pure noise over
             ``sqrt(Phi)``), one whose signal dominates the noise about ``lr``; a tiny
             absolute floor (1e-8) would move noise-only coordinates ~10x more than signal.
         weight_decay: L2 penalty added to the gradient (as in ``torch.optim.Adam``).
         noise_variance: ``Phi = (sigma * C / B)^2`` of the gradients this optimizer will see
             (``B`` the expected batch size Opacus divides by); 0 gives Adam with ``gamma`` as
-            a floor instead of an additive epsilon. The training loop sets it from the
-            privacy engine (:func:`noise_variance_of`).
+            a floor instead of an additive epsilon. The privacy engine sets it
+            (:meth:`set_noise`) when it wraps this optimizer.
     """
 
     def __init__(
@@ -59,10 +59,14 @@ class DPAdamBC(torch.optim.Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
-        gamma: float = 1e-8,
+        gamma: float | None = 1e-8,
         weight_decay: float = 0.0,
         noise_variance: float = 0.0,
     ) -> None:
+        # gamma None: the floor is Phi itself, set with the noise variance by set_noise()
+        self._gamma_from_noise = gamma is None
+        self._noise: float | None = None
+        gamma = 1e-8 if gamma is None else gamma
         for name, value in (("lr", lr), ("gamma", gamma), ("noise_variance", noise_variance)):
             if not value >= 0:
                 raise ValueError(f"DPAdamBC: {name}={value} must be >= 0")
@@ -78,6 +82,33 @@ class DPAdamBC(torch.optim.Optimizer):
             "noise_variance": noise_variance,
         }
         super().__init__(params, defaults)
+        # a restored state dict carries the hyperparameters of its own run; the mechanism of
+        # this one (a resumed run may be re-planned with another sigma) is put back after it
+        self.register_load_state_dict_post_hook(DPAdamBC._apply_noise)
+
+    def set_noise(
+        self, noise_multiplier: float, max_grad_norm: float, expected_batch: float
+    ) -> float:
+        """Subtract the noise of this mechanism: ``Phi = (sigma C / B)^2`` in every group.
+
+        Called by :meth:`~dpkfc_med.privacy.PrivacyEngine.make_private` (the privacy side
+        knows ``sigma``, ``C`` and the expected batch ``B``); with ``gamma=None`` the floor is
+        ``Phi`` too. Kept across :meth:`load_state_dict`.
+
+        Returns:
+            ``Phi``.
+        """
+        self._noise = noise_variance_of(noise_multiplier, max_grad_norm, expected_batch)
+        self._apply_noise()
+        return self._noise
+
+    def _apply_noise(self) -> None:
+        if self._noise is None:
+            return
+        for group in self.param_groups:
+            group["noise_variance"] = self._noise
+            if self._gamma_from_noise:
+                group["gamma"] = self._noise if self._noise > 0 else 1e-8
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

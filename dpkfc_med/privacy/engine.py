@@ -401,6 +401,8 @@ class PrivacyEngine:
             ghost_rows=gsm.ghost_rows,
         )
         opt.attach_step_hook(self._record_step)
+        if isinstance(optimizer, DPAdamBC):  # bias correction for this mechanism's noise
+            optimizer.set_noise(noise_multiplier, max_grad_norm, expected)
         if self.world.distributed:  # one mechanism on every rank, checked before any step
             check_mechanism_on_every_rank(
                 {

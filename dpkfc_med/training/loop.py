@@ -50,7 +50,7 @@ from dpkfc_med.models import (
     validate_private_compatible,
 )
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, rdp_epsilon
-from dpkfc_med.privacy.adambc import DPAdamBC, noise_variance_of
+from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.history import epsilon_history, epsilon_rule, on_epsilon_grid
@@ -173,9 +173,10 @@ def _make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     t = cfg.training
     if t.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    if t.optimizer == "adambc":  # noise variance and default floor are set once sigma is known
-        gamma = t.adambc_gamma if t.adambc_gamma is not None else 1e-8
-        return DPAdamBC(model.parameters(), lr=t.lr, gamma=gamma, weight_decay=t.weight_decay)
+    if t.optimizer == "adambc":  # noise variance (and the default floor) set by the engine
+        return DPAdamBC(
+            model.parameters(), lr=t.lr, gamma=t.adambc_gamma, weight_decay=t.weight_decay
+        )
     return torch.optim.SGD(
         model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
@@ -340,14 +341,8 @@ def train(
                 100 * plan_r["estimated_share"],
                 100 * plan_r["budget"],
             )
-        if isinstance(optimizer, DPAdamBC):
-            phi = noise_variance_of(
-                popt.noise_multiplier, popt.max_grad_norm, popt.expected_batch_size
-            )
-            gamma = cfg.training.adambc_gamma
-            for group in optimizer.param_groups:
-                group["noise_variance"] = phi
-                group["gamma"] = gamma if gamma is not None else (phi if phi > 0 else 1e-8)
+        if isinstance(optimizer, DPAdamBC):  # the engine set its noise variance
+            phi = optimizer.param_groups[0]["noise_variance"]
             log.info("DP-AdamBC: noise variance (sigma C / B)^2 = %.3g subtracted", phi)
         if opening.kind == "checkpoint":
             _restore(state, ckpt_path, model, popt, engine, opening.previous, ledger_path)

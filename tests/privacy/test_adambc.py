@@ -78,3 +78,35 @@ def test_noise_variance_and_bad_arguments():
         DPAdamBC(p, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="expected batch"):
         noise_variance_of(1.0, 1.0, 0)
+
+
+def test_the_engine_sets_the_noise_variance_and_a_restored_state_keeps_this_mechanism():
+    """Phi comes from the privacy side (sigma, C, expected batch), not from the training loop,
+    and survives loading a checkpoint written under another plan (a re-planned resume)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpkfc_med.privacy import PrivacyEngine
+
+    def wrap(sigma):
+        net = torch.nn.Linear(4, 2)
+        opt = DPAdamBC(net.parameters(), lr=0.1, gamma=None)
+        data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+        PrivacyEngine(seed=0).make_private(
+            module=net,
+            optimizer=opt,
+            data_loader=DataLoader(data, batch_size=4),
+            noise_multiplier=sigma,
+            max_grad_norm=2.0,
+            delta=1e-5,
+            method="dp-sgd",
+        )
+        return opt
+
+    first = wrap(1.0)
+    phi = noise_variance_of(1.0, 2.0, 4)
+    assert [g["noise_variance"] for g in first.param_groups] == [phi]
+    assert [g["gamma"] for g in first.param_groups] == [phi]  # gamma=None: the floor is Phi
+    second = wrap(3.0)
+    second.load_state_dict(first.state_dict())  # a checkpoint of the first plan
+    assert second.param_groups[0]["noise_variance"] == noise_variance_of(3.0, 2.0, 4)
+    assert second.param_groups[0]["gamma"] == noise_variance_of(3.0, 2.0, 4)
