@@ -50,18 +50,22 @@ def synthetic_shapes(
     alpha: float,
     generator: torch.Generator,
     foreground: tuple[float, float] = (0.03, 0.25),
+    channels: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """``num`` single-channel synthetic image/label pairs for segmentation pretraining.
+    """``num`` synthetic image/label pairs for segmentation pretraining.
 
-    The volumes of :func:`~dpkfc_med.probes.sources.shape_volumes` (one channel) in float32.
+    The volumes of :func:`~dpkfc_med.probes.sources.shape_volumes` in float32: one label map,
+    each of the ``channels`` image channels with its own contrast and texture (a multi-modal
+    scan's channels show the same anatomy differently).
 
     Returns:
-        ``(images [num, 1, *S] float32, labels [num, *S] int64)``; every volume holds every
+        ``(images [num, C, *S] float32, labels [num, *S] int64)``; every volume holds every
         foreground class only by chance, background always.
     """
     images, labels = shape_volumes(
         spatial_shape,
         num=num,
+        channels=channels,
         num_classes=num_classes,
         spacing=spacing,
         alpha=alpha,
@@ -199,6 +203,7 @@ def pretrain_synthetic(
     device: torch.device,
     cache_dir: str | Path | None = None,
     loss_id: str | None = None,
+    channels: int = 1,
 ) -> dict[str, Any]:
     """Train ``model`` in place on :func:`synthetic_shapes` batches; returns the provenance.
 
@@ -218,11 +223,14 @@ def pretrain_synthetic(
             weights of :func:`pretrain_cache_key` instead of training; a miss trains and
             stores them.
         loss_id: identifies ``loss`` in the cache key (required with ``cache_dir``).
+        channels: image channels of the synthetic volumes: the network's input channels
+            (the cache key already holds them through the network's structure).
     """
 
     def draw(step: int) -> tuple[Tensor, Tensor]:
         return synthetic_shapes(
             spatial_shape,
+            channels=channels,
             num=spec.batch_size,
             num_classes=num_classes,
             spacing=spacing,

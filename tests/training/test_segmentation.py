@@ -451,3 +451,24 @@ def test_mixed_channel_counts_name_the_files(tmp_path, capsys):
     assert main([*args, *_sets([*TINY, "data.num_classes=3"])]) == 2
     err = capsys.readouterr().err
     assert "different channel counts" in err and "case_b.nii.gz" in err and not out.exists()
+
+
+def test_a_multichannel_folder_pretrains_and_trains(tmp_path):
+    """4-D NIfTI images (two channels, last axis): data-free pretraining draws two channels."""
+    import torch
+
+    folder = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    for cid in ("case_a", "case_b", "case_c", "case_d", "case_e", "case_f"):
+        _write(folder / "imagesTr" / f"{cid}.nii.gz", rng.random((8, 8, 8, 2)).astype(np.float32))
+        label = rng.integers(0, 3, (8, 8, 8)).astype(np.uint8)
+        _write(folder / "labelsTr" / f"{cid}.nii.gz", label)
+    out = tmp_path / "run"
+    sets = [*TINY, "data.num_classes=3", "pretrain.steps=2", "pretrain.batch_size=2"]
+    sets += ["data.split_fractions=[0.5,0.25,0.25]"]
+    args = ["train", str(CONFIG), "--out", str(out), "--data", str(folder), *_sets(sets)]
+    assert main(args) == 0
+    saved = torch.load(out / "model.pt", weights_only=False)
+    assert saved["task"]["in_channels"] == 2
+    first = next(v for k, v in saved["model"].items() if v.dim() == 5)
+    assert first.shape[1] == 2  # the first convolution reads both channels
