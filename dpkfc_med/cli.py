@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Any
@@ -247,7 +246,9 @@ def _train(args: argparse.Namespace) -> int:
         print("privacy: none (non-private training)")
     else:
         delta = result.report["privacy"]["delta"]
-        print(f"privacy: epsilon = {math.ceil(eps * 1000) / 1000:.3f} at delta = {delta:g} (PRV)")
+        from dpkfc_med.report.numbers import format_epsilon
+
+        print(f"privacy: epsilon = {format_epsilon(eps)} at delta = {delta:g} (PRV)")
     for key in ("accuracy", "balanced_accuracy", "auroc", "mean_dice"):
         if key in test:
             print(f"test {key}: {test[key]:.4f}")

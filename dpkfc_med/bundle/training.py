@@ -9,10 +9,11 @@ No setting of the run lives in the bundle.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from dpkfc_med.report.numbers import format_epsilon
 
 __all__ = ["train"]
 
@@ -52,9 +53,7 @@ def train(
     result = train_run(load_config(config, items), resume=resume)
     eps = result.epsilon
     privacy = (
-        "none (non-private training)"
-        if eps is None
-        else f"epsilon = {math.ceil(eps * 1000) / 1000:.3f} (PRV)"
+        "none (non-private training)" if eps is None else f"epsilon = {format_epsilon(eps)} (PRV)"
     )
     print(f"run: {result.run_dir} ({result.status}); privacy: {privacy}")
     print(f"report: {Path(result.run_dir) / 'privacy_report.md'}")
