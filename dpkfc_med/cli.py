@@ -96,6 +96,30 @@ def _build_parser() -> argparse.ArgumentParser:
         "drawn (the accountant still counts the configured noise) so that a value below 1 "
         "makes a broken mechanism the audit should refute; recorded in audit.json",
     )
+    tu = sub.add_parser(
+        "tune",
+        help="accounted hyperparameter tuning: random trials, only the best released",
+        description="Plan, from the total --epsilon, every trial's noise so that a random "
+        "number of trials (Papernot & Steinke 2022), each an ordinary private run with "
+        "hyperparameters drawn uniformly from --grid and scored on the validation units with "
+        "Gaussian noise, and the release of the best one, spend at most --epsilon. Writes "
+        "OUT/model.pt (the best trial's), OUT/tuning_report.{json,md} and OUT/tuning.json (the "
+        "tuning's ledger); every trial stays under OUT/private_not_for_release/.",
+    )
+    _add_run_options(tu, out_help="the tuning's folder (default runs/{name}_tuning)")
+    tu.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="values a trial draws from (repeatable), e.g. --grid training.lr=0.05,0.1",
+    )
+    tu.add_argument(
+        "--trials",
+        default="poisson:4",
+        help="the number of trials: poisson:MU or tnb:ETA,GAMMA (default poisson:4)",
+    )
+    tu.add_argument("--resume", action="store_true", help="continue the tuning in --out")
     e = sub.add_parser(
         "evaluate",
         help="metrics of a trained run on a MedMNIST file / NIfTI folder of the same task",
@@ -276,6 +300,38 @@ def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from dpkfc_med.privacy.selection import TrialCount
+    from dpkfc_med.training.tune import parse_grid, run_tuning
+
+    if args.epsilon is None:
+        print("error: tune needs --epsilon (the total for the whole tuning)", file=sys.stderr)
+        return 2
+    grid = parse_grid(args.grid)
+    count = TrialCount.parse(args.trials)
+    out = args.out
+    args.out = None  # the trials' folders live under the tuning's folder
+    cfg = _load_run_config(args)
+    out = out or f"runs/{cfg.name}_tuning"
+    record = run_tuning(
+        cfg, target_epsilon=args.epsilon, grid=grid, trials=count, out=out, resume=args.resume
+    )
+    from dpkfc_med.report.numbers import format_epsilon
+
+    p = record["plan"]
+    print(
+        f"tuning: {record['count']} trial(s) drawn ({p['trials_in_words']}); epsilon "
+        f"{format_epsilon(p['epsilon'])} at delta {p['delta']:g} for the whole tuning"
+    )
+    if record["selected"] is None:
+        print("released: nothing (no trial)")
+    else:
+        best = record["trials"][record["selected"]]
+        print(f"released: {out}/model.pt, trial {best['index']} {best['params']}")
+    print(f"report: {out}/tuning_report.md")
+    return 0
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     from dpkfc_med.training.evaluate import evaluate_run
 
@@ -334,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": _train,
         "federated": _federated,
         "audit": _audit,
+        "tune": _tune,
         "evaluate": _evaluate,
         "report": _report,
         "bundle": _bundle,

@@ -53,6 +53,7 @@ CONFIG_PATHS = (
     "data.unit_ids",
     "probes.public_data",
     "pretrain.cache_dir",
+    "model.pretrained",
     "output.dir",
 )
 """Run-config fields that hold paths: never in the shareable part (names can identify people)."""
@@ -73,6 +74,7 @@ CUSTODIAN_ONLY: dict[str, str] = {
     **{f"run.config.{field}": f"config field {field} (a path)" for field in CONFIG_PATHS},
     "preconditioner.external_data.path": "the public proxy's path",
     "preconditioner.probe_source.path": "the public proxy's path",
+    "model.pretrained.path": "the pretrained weights' path",
 }
 """Dotted report field -> what it is; all move from the shareable to the custodian report."""
 
@@ -203,12 +205,21 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(short, full)`` statement of each thing the guarantee does not cover."""
     p = report.get("privacy") or {}
     data = report.get("data") or {}
+    last = (report.get("training") or {}).get("select_epoch") == "last"
     items = [
         (
-            "any hyperparameter tuning on the private data, and the choice of the released "
-            "epoch on the private validation split",
-            "Hyperparameter tuning on the private data, including the choice of the released "
-            "epoch on the private validation split.",
+            "any hyperparameter tuning on the private data"
+            + (
+                ""
+                if last
+                else ", and the choice of the released epoch on the private validation split"
+            ),
+            "Hyperparameter tuning on the private data"
+            + (
+                " (the released weights are the last epoch's: no epoch was chosen on private data)."
+                if last
+                else ", including the choice of the released epoch on the private validation split."
+            ),
         ),
         (
             "the number of training units, which is treated as public",
@@ -265,6 +276,19 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
                 "the preconditioner, which was built partly from private training images",
                 "The preconditioner: its public proxy shares images with the private training "
                 "set (probes.allow_public_overlap: true), so it depends on private records.",
+            )
+        )
+    weights = (report.get("model") or {}).get("pretrained")
+    if isinstance(weights, Mapping):
+        items.append(
+            (
+                "the training of the pretrained weights the run started from (their data must "
+                "be public)",
+                "The pretrained weights the run started from (SHA-256 "
+                f"{weights.get('sha256')}; source as stated: {weights.get('source')}): the "
+                "guarantee covers the private fine-tuning only. Whatever the weights reveal "
+                "about their own training data is not covered, so that data must really be "
+                "public, i.e. outside the private records.",
             )
         )
     if pre.get("external_data"):

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -114,6 +115,11 @@ class DataConfig:
         shard: ``[k, n]``: train on every ``n``-th unit of the training split starting at
             ``k`` (site ``k`` of ``n`` in ``dpkfc-med federated``, which sets it); the units
             outside the shard are not used, and the privacy unit count is the shard's.
+        dicom_series: segmentation on a folder of DICOM series (``<case>/*.dcm`` or
+            ``imagesTr/<case>/*.dcm``): a regular expression searched in ``SeriesDescription``
+            that picks the one series to read where a case folder holds several (e.g.
+            ``"T1"``); it must match exactly one series of every case. Unset: a case folder
+            with several series is refused, listing their UIDs and descriptions.
     """
 
     path: str = ""
@@ -132,15 +138,36 @@ class DataConfig:
     modality: str | None = None
     source: str | None = None
     shard: list[int] | None = None
+    dicom_series: str | None = None
 
 
 @dataclass
 class ModelConfig:
-    """Network choice (see ``dpkfc_med.models``) and constructor overrides."""
+    r"""Network choice (see ``dpkfc_med.models``), constructor overrides and starting weights.
+
+    Attributes:
+        pretrained: start from these weights instead of the fresh initialisation: a
+            ``.pt``/``.pth`` state dict (or ``{"model": state_dict}``), a finished run's
+            ``model.pt``, or a MONAI bundle folder (its ``models/model.pt``). Loaded after the
+            network is built and DP-fixed; every key and shape must match
+            (:mod:`dpkfc_med.models.finetune`). The guarantee covers the private fine-tuning
+            only: the weights must not come from the private records. The report names them
+            by SHA-256 digest; the path stays in the custodian part. Not combinable with
+            ``pretrain.steps`` (data-free pretraining would overwrite them).
+        pretrained_source: free text for where the weights come from, as you want it
+            published (e.g. ``"MONAI model zoo spleen_ct_segmentation 0.5.4"``); shown in the
+            report; unset: "not stated".
+        pretrained_skip: regular expressions (searched in the dotted state-dict key, e.g.
+            ``'^classifier\.3\.'``) of keys that keep their fresh initialisation, and always
+            train: re-initialise the output layer when the class count differs.
+    """
 
     name: str = "small_cnn"
     norm: str = "group"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
+    pretrained_source: str | None = None
+    pretrained_skip: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -201,10 +228,29 @@ class TrainingConfig:
             under differential privacy.
         eval_every: validate (and consider for model selection) every this many epochs, and
             after the last one.
+        select_epoch: ``best_val``: release the weights of the epoch with the best
+            validation metric (a choice made on private data without noise, which the report
+            lists as not covered); ``last``: release the last epoch's weights (post-processing;
+            ``dpkfc-med tune`` uses it and accounts for its own selection).
         precision: ``float32``, or ``bf16``: the training forward and backward passes under
             bfloat16 autocast (faster on GPUs), with per-sample gradients, norms, clipping and
             noise in float32 (:mod:`dpkfc_med.training.precision`). Refreshes, pretraining
             and evaluation stay in float32.
+        finetune: which parameters train (the others are frozen before the privacy engine
+            wraps the network: no per-sample gradient, clipping share, noise or curvature
+            block): ``full``; ``last_layers`` (the last ``finetune_last`` modules with
+            parameters of their own, in registration order; norm layers count);
+            ``norms_and_biases`` (normalisation affines, every bias and the output layer);
+            ``lora`` (low-rank adapters on ``lora_targets``, plus the output layer in full;
+            needs ``pip install 'dpkfc-med[finetune]'``). The released ``model.pt`` is a plain
+            network (LoRA merged into the base weights).
+        finetune_last: modules trained by ``finetune: last_layers`` (1 = the output layer).
+        lora_rank: LoRA rank ``r``.
+        lora_alpha: LoRA ``alpha`` (the adapter's update is scaled by ``alpha / r``).
+        lora_targets: layers that get LoRA adapters: regular expressions searched in module
+            names, or type names (``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``); ``null`` =
+            every Linear and convolution except the output layer. Transposed convolutions and
+            norms take no adapter (frozen).
     """
 
     epochs: int = 5
@@ -217,6 +263,7 @@ class TrainingConfig:
     warmup_steps: int = 0
     ema_decay: float | None = None
     eval_every: int = 1
+    select_epoch: str = "best_val"
     weight_decay: float = 0.0
     seed: int = 0
     eval_batch_size: int = 256
@@ -224,6 +271,11 @@ class TrainingConfig:
     precision: str = "float32"
     threads: int | None = None
     progress: bool = True
+    finetune: str = "full"
+    finetune_last: int = 1
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: list[str] | None = None
 
 
 @dataclass
@@ -332,12 +384,14 @@ _CHOICES: dict[str, list[str]] = {
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
     "training.precision": ["float32", "bf16"],
+    "training.select_epoch": ["best_val", "last"],
     "privacy.accountant": ["prv", "rdp"],
     "privacy.clipping": ["auto", "ghost", "per_sample"],
     # white probes are the method dp-kfc-white (one way to ask for them)
     "probes.kind": [k.value for k in NoiseKind if k is not NoiseKind.WHITE],
     "probes.target": [t.value for t in TargetRule],
     "model.norm": ["group", "instance"],
+    "training.finetune": ["full", "last_layers", "norms_and_biases", "lora"],
 }
 _POSITIVE = {
     "privacy.target_epsilon",
@@ -352,6 +406,9 @@ _POSITIVE = {
     "data.patches_per_unit",
     "pretrain.batch_size",
     "pretrain.lr",
+    "training.finetune_last",
+    "training.lora_rank",
+    "training.lora_alpha",
 }
 
 
@@ -464,6 +521,7 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
             f"pretrain.steps={cfg.pretrain.steps}: data-free pretraining on synthetic shapes is "
             "available for segmentation; set pretrain.steps to 0 for classification"
         )
+    problems.extend(_finetune_problems(cfg))
     if isinstance(cfg.training.warmup_steps, int) and cfg.training.warmup_steps < 0:
         problems.append(f"training.warmup_steps={cfg.training.warmup_steps}: must be >= 0")
     nm = cfg.privacy.noise_multiplier
@@ -498,6 +556,40 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
                 )
         if isinstance(err, ValueError):
             problems.extend(str(err).splitlines()[1:] or [str(err)])
+
+
+def _finetune_problems(cfg: RunConfig) -> list[str]:
+    """``model.pretrained*`` and ``training.finetune`` / ``lora_*`` problems."""
+    problems = []
+    m, t = cfg.model, cfg.training
+    for name, patterns in (
+        ("model.pretrained_skip", m.pretrained_skip),
+        ("training.lora_targets", t.lora_targets or []),
+    ):
+        for pat in patterns:
+            if not isinstance(pat, str):
+                continue
+            try:
+                re.compile(pat)
+            except re.error as err:
+                problems.append(f"{name}: {pat!r} is not a regular expression ({err})")
+    if m.pretrained_skip and not m.pretrained:
+        problems.append(
+            "model.pretrained_skip: only applies with model.pretrained (the weights to load)"
+        )
+    if m.pretrained and cfg.pretrain.steps:
+        problems.append(
+            f"pretrain.steps={cfg.pretrain.steps} with model.pretrained: data-free pretraining "
+            "would overwrite the loaded weights; set pretrain.steps to 0 (or drop "
+            "model.pretrained)"
+        )
+    elif cfg.pretrain.steps and t.finetune != "full":
+        problems.append(
+            f"training.finetune={t.finetune!r} with pretrain.steps={cfg.pretrain.steps}: the "
+            "frozen parameters would not be pretrained either; use finetune: full with "
+            "data-free pretraining"
+        )
+    return problems
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

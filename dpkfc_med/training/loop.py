@@ -49,6 +49,7 @@ from dpkfc_med.models import (
     make_private_compatible,
     validate_private_compatible,
 )
+from dpkfc_med.models.finetune import finetune_report, prepare_finetune, released_state_dict
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, rdp_epsilon
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
@@ -108,6 +109,13 @@ SEEDED_GUARANTEE = (
     "sampling were seeded from training.seed = {seed} (privacy.reproducible_noise: true), which "
     "this report publishes, so anyone can replay them. Research use only."
 )
+TUNING_LAST = (
+    "Hyperparameters (learning rate, clip norm, damping, epochs) were set in the configuration "
+    "before this run, and the last epoch's weights are released (no epoch was chosen on the "
+    "validation split). Any tuning done by looking at results on the private data is NOT "
+    "covered by the stated epsilon, unless the run is a trial of `dpkfc-med tune`, whose own "
+    "report covers the tuning."
+)
 TUNING = (
     "Hyperparameters (learning rate, clip norm, damping, epochs) were set in the configuration "
     "before this run. Any tuning done by looking at results on the private data (including this "
@@ -148,8 +156,16 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_run_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[str, Any]]]:
+def build_run_model(
+    cfg: RunConfig, task: Task, *, finetune: bool = True
+) -> tuple[nn.Module, list[dict[str, Any]]]:
     """The run's network, made DP-compatible and checked against the task's input size.
+
+    Args:
+        cfg: The run config.
+        task: The task (input channels, classes, spatial shape).
+        finetune: Load ``model.pretrained`` and apply ``training.finetune`` (freezing, LoRA
+            adapters); ``False`` builds the plain network of a released ``model.pt``.
 
     Returns:
         The model and its fixes as dictionaries (the report's ``model.fixes``).
@@ -164,6 +180,8 @@ def build_run_model(cfg: RunConfig, task: Task) -> tuple[nn.Module, list[dict[st
         **cfg.model.kwargs,
     )
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)
+    if finetune:  # model.pretrained and training.finetune, before any privacy wrapper
+        prepare_finetune(model, cfg.model, cfg.training)
     validate_private_compatible(model)
     check_input_size(model, (task.in_channels, *task.spatial_shape))
     return model, [dataclasses.asdict(f) for f in fixes]
@@ -375,7 +393,8 @@ def train(
                     state.history["val_epoch"].append(state.epoch)
                     state.history["val_metric"].append(value)
                     log.info("epoch %d: val %s = %.4f", state.epoch, task.selection_metric, value)
-                    if not (value <= state.best["metric"]):  # nan-safe: first epoch always selected
+                    latest = cfg.training.select_epoch == "last"
+                    if latest or not (value <= state.best["metric"]):  # nan-safe: first is kept
                         state.best = {
                             "epoch": state.epoch,
                             "metric": value,
@@ -934,7 +953,7 @@ def _finish(
     cfg, task, run_dir = state.cfg, state.task, state.run_dir
     metrics: dict[str, Any] = {"val": None, "test": None, "selected_epoch": state.best["epoch"]}
     if evaluate:
-        final_state = copy.deepcopy(state.eval_model(model).state_dict())
+        final_state = copy.deepcopy(released_state_dict(state.eval_model(model)))
         if state.best["state"] is not None:
             model.load_state_dict(state.best["state"])
         bs = cfg.training.eval_batch_size
@@ -944,7 +963,7 @@ def _finish(
             {
                 # shareable: no path, and not the epoch chosen on private validation data
                 # (that stays in the custodian part's metrics.json)
-                "model": model.state_dict(),
+                "model": released_state_dict(model),  # LoRA merged: a plain network
                 "final_model": final_state,
                 "config": shareable_config(cfg.to_dict()),
                 "task": task_record(task),
@@ -1068,7 +1087,7 @@ def build_report(
         "randomness": {"source": "none", "valid_dp_release": False},
         "neighbouring_relation": f"add or remove one {task.privacy_unit}",
         "guarantee": "NO PRIVACY GUARANTEE: non-private training.",
-        "hyperparameter_tuning": TUNING,
+        "hyperparameter_tuning": TUNING if cfg.training.select_epoch != "last" else TUNING_LAST,
         "ledger": {"events": [], "steps": 0, "note": "non-private run: no mechanism was executed"},
         "plan_history": [  # the data fingerprint stays in the run's working files
             {k: v for k, v in e.items() if k != "data_sha256"} for e in _plans(state.run_dir)
@@ -1199,6 +1218,7 @@ def build_report(
             "name": cfg.model.name,
             "num_params": sum(p.numel() for p in model.parameters()),
             "fixes": fixes,
+            **finetune_report(model),  # finetune mode, trainable / frozen counts, weights
         },
         "privacy": privacy,
         "preconditioner": pre,
@@ -1222,7 +1242,12 @@ def build_report(
             "epochs_planned": cfg.training.epochs,
             "batch_size": cfg.training.batch_size,  # B; the expected batch is privacy's q N
             "selected_epoch": state.best["epoch"],
-            "model_selection": f"best validation {task.selection_metric} over epochs",
+            "select_epoch": cfg.training.select_epoch,
+            "model_selection": (
+                "the last epoch (post-processing)"
+                if cfg.training.select_epoch == "last"
+                else f"best validation {task.selection_metric} over epochs"
+            ),
         },
         "history": _history(state, engine),
         "metrics": {"val": metrics.get("val"), "test": metrics.get("test")},

@@ -253,6 +253,29 @@ class SegmentationTask(Task):
         ce = F.cross_entropy(outputs, targets, reduction="none").flatten(1).mean(1)
         return dice + ce
 
+    def unit_scores(
+        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+    ) -> np.ndarray:
+        """Each case's Dice of ``split``, averaged over the foreground classes it defines.
+
+        A class absent from both ground truth and prediction does not count; a case with no
+        foreground anywhere scores 1.
+        """
+        data: _CachedVolumes = self.extra["splits"][split]
+        was = model.training
+        model.eval()
+        scores = []
+        try:
+            for i in range(len(data)):
+                item = data[i]
+                pred = self.predict(model, item["image"], device, batch_size)
+                row = dice_scores(pred, item["label"], self.num_classes).numpy()[0]
+                finite = row[np.isfinite(row)]
+                scores.append(float(np.clip(finite.mean(), 0, 1)) if finite.size else 1.0)
+        finally:
+            model.train(was)
+        return np.array(scores)
+
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-probe loss ``[M]``: mean over voxels of the cross-entropy."""
         return F.cross_entropy(outputs, targets, reduction="none").flatten(1).mean(1)
@@ -566,7 +589,11 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
         )
     spec = data_path or cfg.data.path
     root = resolve_data_path(spec, kind="dir")
-    cases = load_segmentation_folder(root)
+    # A folder of DICOM series is converted once into NIfTI in the run's custodian folder.
+    dicom_cache = cfg.run_dir() / "private_not_for_release" / "dicom_cache"
+    cases = load_segmentation_folder(
+        root, dicom_series=cfg.data.dicom_series, cache_dir=dicom_cache
+    )
     if cases.num_classes is None and cfg.data.num_classes is not None:
         # classes declared in the config: every case's label values are checked against them
         # now, before any pretraining or training (naming the case), not mid-run

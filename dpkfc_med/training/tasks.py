@@ -97,6 +97,16 @@ class Task:
         """Batch-mean training loss (non-private training, pretraining, logging)."""
         return self.per_sample_loss(outputs, targets).mean()
 
+    def unit_scores(
+        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+    ) -> np.ndarray:
+        """One score in ``[0, 1]`` per unit of ``split`` (the input of a DP validation score).
+
+        Each unit's score depends on that unit alone, so their sum has sensitivity 1 under
+        adding or removing a unit.
+        """
+        raise NotImplementedError
+
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-sample loss on probes ``[M]``."""
         raise NotImplementedError
@@ -343,6 +353,25 @@ class ClassificationTask(Task):
     def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Cross-entropy of each image ``[M]``."""
         return F.cross_entropy(outputs, targets, reduction="none")
+
+    def unit_scores(
+        self, model: nn.Module, split: str, device: torch.device, batch_size: int
+    ) -> np.ndarray:
+        """The fraction of a unit's images of ``split`` classified correctly.
+
+        Images group into units by the file's ``{split}_unit_ids`` when it has them (a patient
+        with several images is one unit), else each image is a unit.
+        """
+        data = self.extra["splits"][split]
+        probs, labels = self.predict(model, data, device, batch_size)
+        correct = (probs.argmax(1) == labels.reshape(-1)).double().numpy()
+        ids = getattr(self.extra.get("dataset"), "unit_ids", {}).get(split)
+        if ids is None or len(ids) != len(correct):
+            return correct
+        groups: dict[str, list[float]] = {}
+        for uid, ok in zip(ids, correct):
+            groups.setdefault(uid, []).append(float(ok))
+        return np.array([np.mean(v) for v in groups.values()])
 
     def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Per-sample cross-entropy."""
