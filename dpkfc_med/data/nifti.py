@@ -459,6 +459,8 @@ def load_segmentation_folder(
     num_classes: int | None = None,
     on_unpaired: str = "error",
     case_ids: Sequence[str] | None = None,
+    dicom_series: str | None = None,
+    cache_dir: str | Path | None = None,
 ) -> SegmentationCases:
     """Index a 3D segmentation dataset folder from its NIfTI headers.
 
@@ -480,6 +482,10 @@ def load_segmentation_folder(
         num_classes: Declared classes (background included); overrides ``dataset.json``.
         on_unpaired: ``"error"`` or ``"warn"`` for an image without a label or vice versa.
         case_ids: Only index these cases; problems of other cases are not reported.
+        dicom_series: For a folder of DICOM series (one per case, see
+            :func:`~dpkfc_med.data.dicom.load_dicom_segmentation_folder`, which such a folder is
+            handed to): regex of the ``SeriesDescription`` to read where a case has several.
+        cache_dir: For DICOM series: where their NIfTI conversions are kept.
 
     Returns:
         :class:`SegmentationCases`, sorted by case ID.
@@ -498,6 +504,17 @@ def load_segmentation_folder(
                 "folder not found; pass a folder with imagesTr/ + labelsTr/ or a dataset.json "
                 "(--data PATH, or resolve_data_path(..., kind='dir'))"
             ],
+        )
+    from dpkfc_med.data import dicom  # lazy: dicom.py builds on this module
+
+    if dicom.is_dicom_series_folder(root):
+        return dicom.load_dicom_segmentation_folder(
+            root,
+            num_classes=num_classes,
+            on_unpaired=on_unpaired,
+            case_ids=case_ids,
+            dicom_series=dicom_series,
+            cache_dir=cache_dir,
         )
 
     meta: dict[str, Any] = {}

@@ -1,5 +1,13 @@
-"""MONAI network registry and DP-compatibility fixes (norm layers, in-place activations)."""
+"""MONAI network registry, DP-compatibility fixes, pretrained weights and fine-tuning modes."""
 
+from dpkfc_med.models.finetune import (
+    FinetuneMode,
+    FinetuneRecord,
+    PretrainedWeightsError,
+    apply_finetune,
+    load_pretrained,
+    released_state_dict,
+)
 from dpkfc_med.models.fix import (
     Fix,
     ModelCompatibilityError,
@@ -19,17 +27,23 @@ from dpkfc_med.models.registry import (
 from dpkfc_med.models.small_cnn import SmallCNN
 
 __all__ = [
+    "FinetuneMode",
+    "FinetuneRecord",
     "Fix",
     "ModelCompatibilityError",
     "ModelSpec",
     "NormChoice",
+    "PretrainedWeightsError",
     "SmallCNN",
+    "apply_finetune",
     "build_model",
     "check_input_size",
     "get_model_spec",
     "list_models",
+    "load_pretrained",
     "make_private_compatible",
     "model_summary",
     "register_model",
+    "released_state_dict",
     "validate_private_compatible",
 ]

@@ -129,7 +129,7 @@ def evaluate_run(
         log.warning("evaluate %s: %s", run, warning)
         warnings.warn(warning, TrainingDataEvaluationWarning, stacklevel=2)
     dev = torch.device(device)
-    model, _ = build_run_model(cfg, task)
+    model, _ = build_run_model(cfg, task, finetune=False)  # model.pt is a plain network
     model.load_state_dict(saved["model"])
     model.to(dev).eval()
     metrics = task.evaluate(model, split, dev, cfg.training.eval_batch_size, full=True)

@@ -301,6 +301,10 @@ def test_shareable_report_refuses_every_unnoised_private_statistic(dotted):
         ext = {"path": "/data/public/proxy.npz", "sha256": _sha("pub"), "note": "public"}
         kw = {"privacy__method": "dp-kfc-public", "preconditioner__external_data": ext}
         full, report = example_full(**kw), split_report(example_full(**kw))[0]
+    if dotted in ("model.pretrained.path", "run.config.model.pretrained"):  # pretrained weights
+        weights = {"path": "/data/ward7/w.pt", "sha256": _sha("w"), "source": "public"}
+        kw = {"run__config__model": {"pretrained": weights["path"]}, "model__pretrained": weights}
+        full, report = example_full(**kw), split_report(example_full(**kw))[0]
     node, back = full, report
     *parents, leaf = dotted.split(".")
     for part in parents:
@@ -322,8 +326,11 @@ def test_split_report_moves_private_statistics_to_the_custodian():
     assert custodian["history"]["loss"] == example_full()["history"]["loss"]
     assert custodian["metrics"] == example_full()["metrics"]
     # a synthetic-probe run has no external data, so no path of it to move
+    # nor pretrained weights
     assert set(report["custodian"]["items"]) == set(CUSTODIAN_ONLY) - {
-        "preconditioner.external_data.path"
+        "preconditioner.external_data.path",
+        "model.pretrained.path",
+        "run.config.model.pretrained",
     }
     assert "case_001" not in text and custodian["data"]["split"]["train"] == ["case_001"]
 

@@ -1,0 +1,608 @@
+"""Start from public or own pretrained weights and choose which parameters train privately.
+
+Two steps, both before the privacy engine wraps the network:
+
+1. :func:`load_pretrained` copies external weights into a freshly built network (a state dict,
+   a finished run's ``model.pt`` or a MONAI bundle folder), after checking that every key and
+   shape matches; keys matching ``skip`` patterns keep their fresh initialisation (a public
+   2-class model fine-tuned on a 3-class private task re-initialises its output layer).
+2. :func:`apply_finetune` sets ``requires_grad`` for a fine-tuning mode (:class:`FinetuneMode`):
+   every parameter, the last ``N`` parametrised modules, normalisation affines and biases, or
+   LoRA adapters (Hu et al. 2022, "LoRA: Low-Rank Adaptation of Large Language Models",
+   through the ``peft`` library). Frozen parameters are invisible to Opacus: they get no
+   per-sample gradient, no clipping share, no noise, no curvature block, and never change.
+
+A LoRA layer computes ``y = W x + s B A x`` with ``A`` ``[r, d_in]`` (a convolution with the
+layer's kernel), ``B`` ``[d_out, r]`` (a 1x1 convolution) and ``s = alpha / r``; ``A`` and
+``B`` are ordinary ``nn.Linear`` / ``nn.ConvNd`` modules, so per-sample gradients and the
+DP-KFC curvature adapters treat them like any layer. :func:`released_state_dict` merges them,
+``W' = W + s B A``, so the released model is a plain network of the original architecture.
+
+Privacy guarantee:
+    The weights loaded here are an input of the mechanism, not an output: the run's
+    (epsilon, delta) covers the private fine-tuning only. They must not have been trained on
+    the private records (public data, or data outside the private training set); the report
+    names them by SHA-256 digest and the user's own statement of their source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dpkfc_med.utils import check_choice
+
+__all__ = [
+    "FinetuneMode",
+    "FinetuneRecord",
+    "PretrainedWeightsError",
+    "apply_finetune",
+    "finetune_record",
+    "finetune_report",
+    "load_pretrained",
+    "lora_supported_types",
+    "output_layer_name",
+    "parametrised_modules",
+    "prepare_finetune",
+    "read_pretrained",
+    "released_state_dict",
+]
+
+log = logging.getLogger("dpkfc_med")
+
+_RECORD_ATTR = "_dpkfc_finetune"
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+_NORMS: tuple[type[nn.Module], ...] = tuple(
+    t
+    for t in (
+        nn.modules.batchnorm._NormBase,
+        nn.GroupNorm,
+        nn.LayerNorm,
+        getattr(nn, "RMSNorm", None),
+    )
+    if t is not None
+)
+LORA_INSTALL = (
+    "training.finetune: lora needs the peft library (LoRA layers); install it with "
+    "`pip install 'dpkfc-med[finetune]'` (or `pip install 'peft>=0.13'`), or choose "
+    "training.finetune: last_layers / norms_and_biases"
+)
+
+
+class FinetuneMode(str, Enum):
+    """Which parameters train privately (``training.finetune``)."""
+
+    FULL = "full"
+    LAST_LAYERS = "last_layers"
+    NORMS_AND_BIASES = "norms_and_biases"
+    LORA = "lora"
+
+
+class PretrainedWeightsError(ValueError):
+    """External weights that cannot be loaded into the run's network.
+
+    Attributes:
+        problems: One line per problem, naming the key, what differs and the fix.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("model.pretrained:\n  " + "\n  ".join(self.problems))
+
+
+@dataclass
+class FinetuneRecord:
+    """What was loaded and which parameters train (the report's ``model`` fields).
+
+    Attributes:
+        finetune: The :class:`FinetuneMode` value.
+        trainable_params: Elements of the parameters that train privately.
+        frozen_params: Elements of the frozen parameters.
+        trainable_modules: Dotted names of the modules with a trainable parameter.
+        lora: Rank, alpha, scaling and target layers in ``lora`` mode, else ``None``.
+        pretrained: The loaded weights: ``sha256`` of the file, ``source`` as the user states
+            it, ``format``, ``reinitialised`` keys, ``dropped_keys`` and ``path`` (the path
+            is custodian-only in the report).
+    """
+
+    finetune: str = FinetuneMode.FULL.value
+    trainable_params: int = 0
+    frozen_params: int = 0
+    trainable_modules: list[str] = field(default_factory=list)
+    lora: dict[str, Any] | None = None
+    pretrained: dict[str, Any] | None = None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_pretrained(path: str | Path) -> tuple[dict[str, Tensor], str, Path]:
+    """The state dict held by a weights file or MONAI bundle folder.
+
+    Args:
+        path: A ``.pt``/``.pth`` file holding a state dict, ``{"model": state_dict}`` (a
+            finished run's ``model.pt``) or ``{"state_dict": state_dict}``; or a MONAI bundle
+            folder (its ``models/model.pt``).
+
+    Returns:
+        ``(state_dict, format, file)``: ``format`` is ``"state dict"``, ``"run model.pt"``
+        or ``"MONAI bundle"``; ``file`` is the file read (its digest goes in the report).
+
+    Raises:
+        PretrainedWeightsError: no such file, not a tensor-only checkpoint, or no state dict.
+    """
+    p = Path(path)
+    fmt = "state dict"
+    if p.is_dir():
+        file = p / "models" / "model.pt"
+        if not file.is_file():
+            raise PretrainedWeightsError(
+                [
+                    f"{p}: a folder but not a MONAI bundle with models/model.pt; give a "
+                    ".pt/.pth state dict, a run's model.pt or a bundle folder"
+                ]
+            )
+        p, fmt = file, "MONAI bundle"
+    elif not p.is_file():
+        raise PretrainedWeightsError(
+            [
+                f"{p}: no such file or folder; give a .pt/.pth state dict, a run's model.pt or a "
+                "MONAI bundle folder"
+            ]
+        )
+    try:  # tensors and plain containers only: an external pickle must not run code
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for foreign or unsafe pickles
+        raise PretrainedWeightsError(
+            [
+                f"{p}: cannot be read as a tensor-only checkpoint ({type(err).__name__}); "
+                "re-save it as a plain state dict: torch.save(model.state_dict(), path)"
+            ]
+        ) from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj, fmt = obj["model"], ("run model.pt" if fmt == "state dict" else fmt)
+    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise PretrainedWeightsError(
+            [
+                f"{p}: holds no state dict (a mapping of parameter names to tensors, or one "
+                "under the key 'model' or 'state_dict')"
+            ]
+        )
+    state = {str(k): v for k, v in obj.items()}
+    for prefix in ("module.", "_module."):  # DataParallel / Opacus GradSampleModule wrappers
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix) :]: v for k, v in state.items()}
+    return state, fmt, p
+
+
+def _compile(patterns: Iterable[str], field_name: str) -> list[re.Pattern[str]]:
+    out, problems = [], []
+    for pat in patterns:
+        try:
+            out.append(re.compile(pat))
+        except re.error as err:
+            problems.append(f"{field_name}: {pat!r} is not a regular expression ({err})")
+    if problems:
+        raise ValueError("\n".join(problems))
+    return out
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    skip: Sequence[str] = (),
+    source: str | None = None,
+) -> dict[str, Any]:
+    r"""Copy external weights into ``model`` after checking every key and shape.
+
+    Keys of ``model.state_dict()`` that match a ``skip`` pattern (``re.search`` in the dotted
+    key, e.g. ``"^classifier\.3\."``) keep their fresh initialisation, and the file's keys
+    matching one are ignored. Batch-norm statistics (``running_mean`` ...) of a layer that the
+    DP fixer replaced by a norm without statistics are dropped.
+
+    Args:
+        model: The freshly built (and DP-fixed) network, modified in place.
+        path: See :func:`read_pretrained`.
+        skip: Regular expressions of keys to leave at their initialisation.
+        source: Where the weights come from, as the user states it (reported as given).
+
+    Returns:
+        The provenance record: ``sha256``, ``source``, ``format``, ``reinitialised``,
+        ``dropped_keys``, ``path``.
+
+    Raises:
+        PretrainedWeightsError: missing / unexpected keys or shape mismatches, each naming the
+            first keys and the fix; all problems at once.
+    """
+    state, fmt, file = read_pretrained(path)
+    patterns = _compile(skip, "model.pretrained_skip")
+    mine = model.state_dict()
+
+    def skipped(key: str) -> bool:
+        return any(p.search(key) for p in patterns)
+
+    modules = dict(model.named_modules())
+    dropped = sorted(
+        k
+        for k in state
+        if k not in mine
+        and k.rsplit(".", 1)[-1] in _BN_STATS
+        and not isinstance(modules.get(k.rsplit(".", 1)[0]), nn.modules.batchnorm._NormBase)
+        and k.rsplit(".", 1)[0] in modules
+    )
+    missing = [k for k in mine if k not in state and not skipped(k)]
+    unexpected = [k for k in state if k not in mine and not skipped(k) and k not in dropped]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}"
+        for k in mine
+        if k in state and not skipped(k) and state[k].shape != mine[k].shape
+    ]
+    problems = []
+    fix = (
+        "check model.name / model.kwargs against the network the weights were trained with, "
+        "or leave keys at their fresh initialisation with model.pretrained_skip: [regex, ...]"
+    )
+    if shapes:
+        first = shapes[0].split(" ", 1)[0]
+        problems.append(
+            f"{len(shapes)} shape mismatch(es) (file vs network), first: {'; '.join(shapes[:3])}"
+            f"; a different class count re-initialises the output layer with "
+            f"model.pretrained_skip: ['^{re.escape(first.rsplit('.', 1)[0])}\\.']"
+        )
+    if missing:
+        problems.append(
+            f"{len(missing)} key(s) of the network missing from the file, first: "
+            f"{missing[:3]}; {fix}"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected key(s) in the file, first: {unexpected[:3]}; {fix}"
+        )
+    if problems:
+        raise PretrainedWeightsError([f"{file}: {p}" for p in problems])
+    reinit = [k for k in mine if skipped(k)]
+    with torch.no_grad():
+        for k, v in mine.items():
+            if k in state and not skipped(k):
+                v.copy_(state[k].to(dtype=v.dtype, device=v.device))
+    if reinit:
+        log.info(
+            "model.pretrained: %d key(s) keep their fresh initialisation: %s", len(reinit), reinit
+        )
+    return {
+        "sha256": _sha256(file),
+        "source": source if source else "not stated",
+        "format": fmt,
+        "tensors_loaded": len(mine) - len(reinit),
+        "reinitialised": reinit,
+        "dropped_keys": dropped,
+        "path": str(file),
+    }
+
+
+def parametrised_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules with parameters of their own, in registration order (``named_modules``)."""
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+
+
+def output_layer_name(model: nn.Module) -> str:
+    """The output layer: the last parametrised module in registration order."""
+    mods = parametrised_modules(model)
+    if not mods:
+        raise ValueError("the network has no parameters to fine-tune")
+    return mods[-1][0]
+
+
+def lora_supported_types() -> tuple[type[nn.Module], ...]:
+    """Layer types the installed ``peft`` wraps with LoRA (Linear, Conv1d/2d/3d as it has them).
+
+    Raises:
+        ImportError: ``peft`` is not installed (:data:`LORA_INSTALL`).
+    """
+    try:
+        from peft.tuners.lora import layer
+    except ImportError:
+        raise ImportError(LORA_INSTALL) from None
+    names = {"Linear": nn.Linear, "Conv1d": nn.Conv1d, "Conv2d": nn.Conv2d, "Conv3d": nn.Conv3d}
+    return tuple(t for n, t in names.items() if hasattr(layer, n))
+
+
+def _lora_targets(model: nn.Module, targets: Sequence[str] | None, output: str) -> list[str]:
+    """Dotted names of the layers that get LoRA adapters (see :func:`apply_finetune`)."""
+    supported = lora_supported_types()
+    kinds = ", ".join(t.__name__ for t in supported)
+    layers = [(n, m) for n, m in parametrised_modules(model) if isinstance(m, supported)]
+    if targets is None:
+        chosen = [n for n, _ in layers if n != output]
+        if not chosen:
+            raise ValueError(
+                f"training.finetune=lora: the network has no {kinds} layer besides the output "
+                f"layer {output!r}; set training.lora_targets or choose another mode"
+            )
+        return chosen
+    problems: list[str] = []
+    picked: set[str] = set()
+    by_type = {t.__name__: t for t in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)}
+    for entry in targets:
+        if entry in by_type:
+            if by_type[entry] not in supported:
+                problems.append(
+                    f"training.lora_targets: {entry}: the installed peft has no LoRA layer for "
+                    f"{entry} (it supports {kinds}); upgrade peft or target other layers"
+                )
+                continue
+            hits = [n for n, m in layers if type(m) is by_type[entry] and n != output]
+        else:
+            pat = _compile([entry], "training.lora_targets")[0]
+            hits = [n for n, _ in layers if pat.search(n)]
+            if not hits:
+                other = [
+                    f"{n} ({type(m).__name__})"
+                    for n, m in parametrised_modules(model)
+                    if pat.search(n)
+                ]
+                why = (
+                    f"it matches only {other[:3]}, which LoRA cannot wrap"
+                    if other
+                    else "it matches no layer name"
+                )
+                problems.append(
+                    f"training.lora_targets: {entry!r}: {why}; targets are regexes of module "
+                    f"names or the types {kinds} (3D convolutions need a peft with Conv3d "
+                    "LoRA)"
+                )
+        picked.update(hits)
+    if problems:
+        raise ValueError("\n".join(problems))
+    return [n for n, _ in layers if n in picked]
+
+
+def _inject_lora(model: nn.Module, names: list[str], rank: int, alpha: float) -> None:
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise ImportError(LORA_INSTALL) from None
+    pattern = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # typed int by peft; a float scales alike
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=pattern,
+    )
+    inject_adapter_in_model(config, model)
+
+
+def _lora_layers(model: nn.Module) -> dict[str, Any]:
+    """Dotted name -> peft LoRA layer (empty without peft or without adapters)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return {}
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def apply_finetune(
+    model: nn.Module,
+    mode: str | FinetuneMode = FinetuneMode.FULL,
+    *,
+    last: int = 1,
+    lora_rank: int = 8,
+    lora_alpha: float = 16.0,
+    lora_targets: Sequence[str] | None = None,
+    keep_trainable: Sequence[str] = (),
+) -> FinetuneRecord:
+    """Freeze every parameter the mode does not train (``requires_grad=False``), in place.
+
+    Modes:
+
+    * ``full``: every parameter trains.
+    * ``last_layers``: the parameters of the last ``last`` parametrised modules (modules with
+      parameters of their own, in registration order; norm layers count) train.
+    * ``norms_and_biases``: normalisation affines, every ``bias`` and the output layer train.
+    * ``lora``: LoRA adapters (rank ``r = lora_rank``, scaling ``lora_alpha / r``, ``B = 0`` at
+      the start, so the network starts as loaded) are added to ``lora_targets`` -- regexes
+      searched in module names, or the type names ``Linear``, ``Conv1d``, ``Conv2d``,
+      ``Conv3d`` (default: every such layer except the output layer) -- and train with the
+      output layer (in full, unless it is itself a target); the rest is frozen. Transposed
+      convolutions and norms cannot take LoRA adapters.
+
+    Parameters the network's builder or the DP fixer had already frozen stay frozen. Call it
+    before the privacy engine wraps the model.
+
+    Args:
+        model: The network (pretrained weights already loaded), modified in place.
+        mode: A :class:`FinetuneMode` or its value.
+        last: Modules trained by ``last_layers``.
+        lora_rank: LoRA rank ``r``.
+        lora_alpha: LoRA ``alpha``.
+        lora_targets: See ``lora`` above.
+        keep_trainable: State-dict keys that train whatever the mode (the re-initialised
+            keys of :func:`load_pretrained`: a fresh layer left frozen would stay random).
+
+    Returns:
+        The :class:`FinetuneRecord`; also kept on the model (:func:`finetune_record`).
+
+    Raises:
+        ValueError: an unknown mode, or LoRA targets that match no supported layer.
+        ImportError: ``lora`` without ``peft``.
+    """
+    mode = check_choice("training.finetune", mode, FinetuneMode)
+    # what the builder or the DP fixer froze (e.g. unused attention norms) stays frozen
+    before = {id(p): p.requires_grad for p in model.parameters()}
+    mods = parametrised_modules(model)
+    output = output_layer_name(model)
+    params = dict(model.named_parameters())
+    forced = [params[k] for k in keep_trainable if k in params]
+    train: list[nn.Parameter] = []
+    lora_info: dict[str, Any] | None = None
+    if mode is FinetuneMode.FULL:
+        train = list(params.values())
+    elif mode is FinetuneMode.LAST_LAYERS:
+        if last < 1:
+            raise ValueError(f"training.finetune_last={last}: must be at least 1")
+        train = [p for _, m in mods[-last:] for p in m.parameters(recurse=False)]
+    elif mode is FinetuneMode.NORMS_AND_BIASES:
+        for name, m in mods:
+            for p_name, p in m.named_parameters(recurse=False):
+                if isinstance(m, _NORMS) or p_name == "bias" or name == output:
+                    train.append(p)
+    else:
+        names = _lora_targets(model, lora_targets, output)
+        _inject_lora(model, names, lora_rank, lora_alpha)
+        layers = _lora_layers(model)
+        train = [p for n, p in model.named_parameters() if ".lora_" in f".{n}"]
+        if output not in names:
+            train += list(dict(mods)[output].parameters(recurse=False))
+        lora_info = {
+            "rank": lora_rank,
+            "alpha": lora_alpha,
+            "scaling": lora_alpha / lora_rank,
+            "targets": names,
+            "adapters": len(layers),
+            "released": "merged into the base weights (W + scaling * B A)",
+        }
+    keep = {id(p) for p in [*train, *forced]}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep and before.get(id(p), True))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    if trainable == 0:
+        raise ValueError(f"training.finetune={mode.value}: no parameter is left to train")
+    record = FinetuneRecord(
+        finetune=mode.value,
+        trainable_params=trainable,
+        frozen_params=frozen,
+        trainable_modules=[
+            n
+            for n, m in model.named_modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        ],
+        lora=lora_info,
+    )
+    setattr(model, _RECORD_ATTR, record)
+    if mode is not FinetuneMode.FULL:
+        log.info(
+            "training.finetune=%s: %d parameters train, %d frozen (modules: %s)",
+            mode.value,
+            trainable,
+            frozen,
+            record.trainable_modules,
+        )
+    return record
+
+
+def prepare_finetune(model: nn.Module, model_cfg: Any, training_cfg: Any) -> FinetuneRecord:
+    """Load ``model.pretrained`` (if set) and apply ``training.finetune`` from a run config.
+
+    Args:
+        model: The freshly built, DP-fixed network, modified in place.
+        model_cfg: The config's ``model`` section (``pretrained``, ``pretrained_source``,
+            ``pretrained_skip``).
+        training_cfg: The config's ``training`` section (``finetune``, ``finetune_last``,
+            ``lora_rank``, ``lora_alpha``, ``lora_targets``).
+
+    Returns:
+        The :class:`FinetuneRecord` (also kept on the model).
+    """
+    pretrained = None
+    if model_cfg.pretrained:
+        pretrained = load_pretrained(
+            model,
+            model_cfg.pretrained,
+            skip=model_cfg.pretrained_skip or (),
+            source=model_cfg.pretrained_source,
+        )
+        log.info(
+            "model.pretrained: loaded %s (sha256 %s, source: %s)",
+            pretrained["path"],
+            pretrained["sha256"],
+            pretrained["source"],
+        )
+    record = apply_finetune(
+        model,
+        training_cfg.finetune,
+        last=training_cfg.finetune_last,
+        lora_rank=training_cfg.lora_rank,
+        lora_alpha=training_cfg.lora_alpha,
+        lora_targets=training_cfg.lora_targets,
+        keep_trainable=pretrained["reinitialised"] if pretrained else (),
+    )
+    record.pretrained = pretrained
+    return record
+
+
+def finetune_record(model: nn.Module) -> FinetuneRecord | None:
+    """The record :func:`apply_finetune` kept on ``model`` (``None`` if it never ran)."""
+    return getattr(model, _RECORD_ATTR, None)
+
+
+def finetune_report(model: nn.Module) -> dict[str, Any]:
+    """Fields for the report's ``model`` section (merged into it).
+
+    ``finetune``, ``trainable_params``, ``frozen_params``, ``trainable_modules``, ``lora`` and
+    ``pretrained`` (``None`` when no external weights were loaded; its ``path`` is moved to
+    the custodian report). A model never passed through :func:`apply_finetune` trains in full.
+    """
+    record = finetune_record(model)
+    if record is None:
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        record = FinetuneRecord(trainable_params=n, frozen_params=frozen)
+    return asdict(record)
+
+
+def released_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` as a plain network of the original architecture.
+
+    LoRA layers are merged, ``W' = W + s B A`` (``peft``'s ``get_delta_weight``), and lose
+    their adapter keys; any other network's state dict is returned as it is.
+
+    Shape:
+        Each merged weight has its base layer's shape (``[d_out, d_in]``, ``[C_out, C_in, *k]``).
+    """
+    state = model.state_dict()
+    layers = _lora_layers(model)
+    if not layers:
+        return state
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        prefix = next((n for n in layers if key.startswith(f"{n}.")), None)
+        if prefix is None:
+            out[key] = value
+            continue
+        rest = key[len(prefix) + 1 :]
+        if not rest.startswith("base_layer."):
+            continue  # lora_A / lora_B: merged below
+        name = f"{prefix}.{rest[len('base_layer.') :]}"
+        layer = layers[prefix]
+        if rest == "base_layer.weight" and not getattr(layer, "merged", False):
+            with torch.no_grad():
+                delta = sum(
+                    (layer.get_delta_weight(a) for a in layer.active_adapters),
+                    torch.zeros_like(value),
+                )
+                value = (value + delta.to(value.dtype)).detach()
+        out[name] = value
+    return out
