@@ -1054,7 +1054,21 @@ def _model(report: Mapping[str, Any]) -> list[Block]:
     model = report["model"]
     out: list[Block] = [
         Heading(2, "Model"),
-        _kv([("Network", model["name"]), ("Trainable parameters", _count(model["num_params"]))]),
+        _kv(
+            [
+                ("Network", model["name"]),
+                ("Parameters", _count(model["num_params"])),
+                *(
+                    [
+                        ("Trained privately", _count(model["trainable_params"])),
+                        ("Frozen", _count(model.get("frozen_params") or 0)),
+                        ("Fine-tuning", model.get("finetune") or "full"),
+                    ]
+                    if "trainable_params" in model
+                    else []
+                ),
+            ]
+        ),
         Heading(3, "Fixes applied for per-sample privacy"),
     ]
     if model["fixes"]:

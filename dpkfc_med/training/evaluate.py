@@ -243,7 +243,11 @@ def _segmentation_overlap(
     run_cases = (
         task.extra["cases"]
         if own_data
-        else load_segmentation_folder(resolve_data_path(trained.data.path, kind="dir"))
+        else load_segmentation_folder(
+            resolve_data_path(trained.data.path, kind="dir"),
+            dicom_series=trained.data.dicom_series,
+            cache_dir=run / PRIVATE_DIR / "dicom_cache",
+        )
     )
     train_ids = _training_case_ids(run, trained, run_cases)
     evaluated = list(task.extra["splits"][split].case_ids)
