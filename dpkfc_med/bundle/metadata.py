@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID
+
 __all__ = [
     "NO_GUARANTEE",
     "REQUIRED_KEYS",
@@ -85,8 +87,6 @@ DP_KEYS: tuple[str, ...] = (
 )
 """Keys of the ``differential_privacy`` block (this package's contract, checked by tests)."""
 
-NO_GUARANTEE = "NO PRIVACY GUARANTEE"
-NOT_VALID = "NOT A VALID DP RELEASE"
 NOT_STATED = "not stated (set data.modality / data.source in the run config)"
 UNTRAINED = "filled in by `dpkfc-med bundle export`"
 """What the spent values of a pipeline that has not been trained yet say."""

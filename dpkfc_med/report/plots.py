@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dpkfc_med.report.numbers import format_delta, format_epsilon
+from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = ["PLOT_FILES", "render_custodian_plots", "render_plots"]
 
@@ -75,7 +76,7 @@ def _epsilon_png(report: Mapping[str, Any]) -> bytes:
     ax = fig.add_subplot()
     if not privacy["private"]:
         ax.set_title("Privacy spent")
-        _message(ax, "NO PRIVACY GUARANTEE\n(non-private training: epsilon is unbounded)", "C3")
+        _message(ax, f"{NO_GUARANTEE}\n(non-private training: epsilon is unbounded)", "C3")
         return _png(fig)
 
     accountant, eps = privacy["accountant"], privacy["epsilon"]

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from dpkfc_med.report.custodian import not_covered_summary
 from dpkfc_med.report.numbers import format_delta, format_epsilon
 from dpkfc_med.report.plots import PLOT_FILES
+from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID, PRIVATE_PRECONDITIONER
 
 __all__ = [
     "DIAGNOSTICS_NOTE",
@@ -299,7 +300,7 @@ def guarantee_sentence(report: Mapping[str, Any]) -> str:
     """The one-sentence (epsilon, delta) statement of the summary box."""
     p, unit = report["privacy"], report["data"]["privacy_unit"]
     if not p["private"]:
-        return "NO PRIVACY GUARANTEE: " + NONPRIVATE_NOTE.format(units=plural(unit))
+        return f"{NO_GUARANTEE}: " + NONPRIVATE_NOTE.format(units=plural(unit))
     if (p.get("randomness") or {}).get("source") == "seeded":
         return str(p["guarantee"])  # no (epsilon, delta) claim: the noise can be replayed
     eps, primary = p["epsilon"], p["accountant"]
@@ -418,16 +419,10 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     elif report["status"] == "failed":
         doc.append(Banner("FAILED RUN", FAILED_NOTE, "warning"))
     if not p["private"]:
-        doc.append(
-            Banner("NO PRIVACY GUARANTEE", NONPRIVATE_NOTE.format(units=plural(unit)), "danger")
-        )
+        doc.append(Banner(NO_GUARANTEE, NONPRIVATE_NOTE.format(units=plural(unit)), "danger"))
     for text in p.get("headline_warnings") or []:
         title = next(
-            (
-                t
-                for t in ("NOT A VALID DP RELEASE", "PRECONDITIONER USES PRIVATE DATA")
-                if text.startswith(t)
-            ),
+            (t for t in (NOT_VALID, PRIVATE_PRECONDITIONER) if text.startswith(t)),
             "Warning",
         )
         doc.append(Banner(title, text, "danger"))
@@ -735,7 +730,7 @@ def _summary(report: Mapping[str, Any]) -> list[Block]:
     guarantee: Inline = guarantee_sentence(report)
     if not p["private"]:
         guarantee = (
-            Span("NO PRIVACY GUARANTEE", "strong"),
+            Span(NO_GUARANTEE, "strong"),
             ": " + NONPRIVATE_NOTE.format(units=plural(data["privacy_unit"])),
         )
     rows: list[tuple[Inline, Any]] = [

@@ -57,6 +57,7 @@ from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.history import epsilon_history, epsilon_rule, on_epsilon_grid
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.render import plural
+from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID, PRIVATE_PRECONDITIONER
 from dpkfc_med.training.config import ConfigError, Method, RunConfig, config_from_dict
 from dpkfc_med.training.plan import (
     PlanError,
@@ -105,7 +106,7 @@ GUARANTEE = (
     "released parameters only, so it is post-processing and costs no budget."
 )
 SEEDED_GUARANTEE = (
-    "NOT A VALID DP RELEASE: no differential-privacy guarantee holds. The noise and the Poisson "
+    f"{NOT_VALID}: no differential-privacy guarantee holds. The noise and the Poisson "
     "sampling were seeded from training.seed = {seed} (privacy.reproducible_noise: true), which "
     "this report publishes, so anyone can replay them. Research use only."
 )
@@ -1086,7 +1087,7 @@ def build_report(
         "secure_rng": bool(cfg.privacy.secure_rng and method.private),
         "randomness": {"source": "none", "valid_dp_release": False},
         "neighbouring_relation": f"add or remove one {task.privacy_unit}",
-        "guarantee": "NO PRIVACY GUARANTEE: non-private training.",
+        "guarantee": f"{NO_GUARANTEE}: non-private training.",
         "hyperparameter_tuning": TUNING if cfg.training.select_epoch != "last" else TUNING_LAST,
         "ledger": {"events": [], "steps": 0, "note": "non-private run: no mechanism was executed"},
         "plan_history": [  # the data fingerprint stays in the run's working files
@@ -1103,7 +1104,7 @@ def build_report(
         warnings = []
         if source == "seeded":
             warnings.append(
-                "NOT A VALID DP RELEASE: the noise and the Poisson sampling were seeded from "
+                f"{NOT_VALID}: the noise and the Poisson sampling were seeded from "
                 f"training.seed = {cfg.training.seed} (privacy.reproducible_noise: true), which "
                 "this report publishes; anyone can replay them. Research use only."
             )
@@ -1160,7 +1161,7 @@ def build_report(
             overlap = bool(src.get("uses_private_data"))
             if overlap:
                 warnings.append(
-                    "PRECONDITIONER USES PRIVATE DATA: the public proxy shares images with the "
+                    f"{PRIVATE_PRECONDITIONER}: the public proxy shares images with the "
                     "private training set (probes.allow_public_overlap: true); the "
                     "preconditioner depends on private records, which the stated guarantee "
                     "does NOT cover."
