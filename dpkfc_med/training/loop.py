@@ -513,7 +513,7 @@ def _open_run(
     if ckpt_path.is_file():
         stored = _plans(run_dir)
         if not replan and stored:
-            # the same plan, continued: record what this session finds already spent
+            # the same plan, continued: record the steps already spent when it resumes
             plan = {**stored[-1]["plan"], "spent_steps": done}
             plan["steps_remaining"] = max(0, int(plan["planned_steps"]) - done)
         else:
@@ -543,7 +543,7 @@ def _announce_changes(changes: list[tuple[str, Any, Any]], run_dir: Path) -> Non
         return
     lines = [f"  {path}: {before!r} -> {after!r}" for path, before, after in changes]
     text = (
-        f"--resume {run_dir}: this session changes {plural('field', len(changes))} of the "
+        f"--resume {run_dir}: this resume changes {plural('field', len(changes))} of the "
         "run's stored configuration:\n" + "\n".join(lines) + "\n(to continue the run exactly as "
         f"it was, use `dpkfc-med train --resume --out {run_dir}` without a config)"
     )
@@ -619,7 +619,8 @@ def _start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: _Openin
     ) or _now()
     write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    # the configuration the run now follows (each session's is kept in the config history):
+    # the configuration the run now follows (each start's and resume's is kept in the config
+    # history):
     # `train --resume --out DIR` continues from it
     atomic_write_bytes(run_dir / "config.yaml", text.encode())
     plans = _plans(run_dir)

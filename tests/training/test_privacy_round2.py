@@ -105,7 +105,7 @@ def test_a_stopped_run_continues_as_it_was_with_its_own_config(tmp_path, capsys)
         train(first, instrument=_stop_at(2, KeyboardInterrupt))
     # the printed command continues the run with its own stored config (4 epochs, not 2)
     assert main(["train", "--resume", "--out", str(run)]) == 0
-    assert _ledger(run).steps == 12  # 4 epochs of 3 steps: the first session's plan
+    assert _ledger(run).steps == 12  # 4 epochs of 3 steps: the first plan
     plans = json.loads((run / "plan.json").read_text())["plans"]
     assert [p["plan"]["spent_steps"] for p in plans] == [0, 2]
     assert plans[1]["plan"]["steps_remaining"] == 10
