@@ -619,9 +619,8 @@ def _start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: _Openin
     ) or _now()
     write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    # the configuration the run now follows (each start's and resume's is kept in the config
-    # history):
-    # `train --resume --out DIR` continues from it
+    # the configuration the run now follows (every start's and resume's is kept in the config
+    # history); `train --resume --out DIR` continues from it
     atomic_write_bytes(run_dir / "config.yaml", text.encode())
     plans = _plans(run_dir)
     session = len(plans)
