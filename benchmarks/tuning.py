@@ -37,12 +37,11 @@ OUT = ROOT / "benchmarks" / "results" / "tuning_pneumonia_cnn.json"
 
 
 def _test_metrics(cfg: Any, model_pt: Path) -> dict[str, float]:
-    from dpkfc_med.training.loop import build_run_model
     from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.tune import released_model
 
     task = build_task(cfg, public_probes=False)
-    model, _ = build_run_model(cfg, task, finetune=False)
-    model.load_state_dict(torch.load(model_pt, map_location="cpu", weights_only=False)["model"])
+    model = released_model(cfg, task, model_pt)
     m = task.evaluate(model, "test", torch.device("cpu"), cfg.training.eval_batch_size)
     return {"test_auroc": float(m["auroc"]), "test_accuracy": float(m["accuracy"])}
 

@@ -43,7 +43,7 @@ from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from dpkfc_med.utils import write_json
 
-__all__ = ["TUNING_LEDGER", "parse_grid", "run_tuning", "score_noisily"]
+__all__ = ["TUNING_LEDGER", "parse_grid", "released_model", "run_tuning", "score_noisily"]
 
 TUNING_LEDGER = "tuning.json"
 TUNING_SCHEMA = "dpkfc_med.tuning/1"
@@ -116,7 +116,16 @@ def _trial_config(
     return config_from_dict(raw, f"trial {run_dir.name}")
 
 
-def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan, int]:
+def released_model(cfg: RunConfig, task: Any, model_pt: Path) -> torch.nn.Module:
+    """The network of ``cfg`` holding the weights a run released in ``model_pt``."""
+    from dpkfc_med.training.loop import build_run_model
+
+    model, _ = build_run_model(cfg, task, finetune=False)
+    model.load_state_dict(torch.load(model_pt, map_location="cpu", weights_only=False)["model"])
+    return model
+
+
+def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan, int, Any]:
     from dpkfc_med.training.plan import plan_privacy
     from dpkfc_med.training.tasks import build_task
 
@@ -127,7 +136,7 @@ def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan,
     steps_per_epoch = max(1, math.ceil(n_units / batch))
     base = plan_privacy(cfg, n_units, steps_per_epoch)  # q, T and delta of every trial
     plan = plan_tuning(target, base["delta"], base["sample_rate"], base["planned_steps"], count)
-    return plan, n_val
+    return plan, n_val, task
 
 
 def run_tuning(
@@ -156,7 +165,7 @@ def run_tuning(
         ConfigError: a non-private method, an existing tuning without ``resume``, or
             ``resume`` without one.
     """
-    from dpkfc_med.training.loop import build_run_model, train
+    from dpkfc_med.training.loop import train
     from dpkfc_med.training.tasks import build_task
 
     out = Path(out)
@@ -172,10 +181,11 @@ def run_tuning(
         )
     if resume and not ledger_path.is_file():
         raise ConfigError([f"--resume: no tuning to continue in {out} (no {TUNING_LEDGER})"])
+    task = None  # the data of every trial (the grid never changes it), loaded once
     if resume:
         record = json.loads(ledger_path.read_text())
     else:
-        plan, n_val = _plan(cfg, target_epsilon, trials)
+        plan, n_val, task = _plan(cfg, target_epsilon, trials)
         draw = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
         k = trials.sample(draw)
         chosen = [
@@ -218,12 +228,9 @@ def run_tuning(
         if status != "complete":  # a stopped trial continues within its own plan
             again = status is not None or (run_dir / "ledger.json").is_file()
             train(tcfg, resume=again)
-        task = build_task(tcfg, public_probes=False)
-        model, _ = build_run_model(tcfg, task)
-        saved = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=False)
-        model.load_state_dict(saved["model"])
-        device = torch.device("cpu")
-        scores = task.unit_scores(model, "val", device, tcfg.training.eval_batch_size)
+        task = task if task is not None else build_task(tcfg, public_probes=False)
+        model = released_model(tcfg, task, run_dir / "model.pt")
+        scores = task.unit_scores(model, "val", torch.device("cpu"), tcfg.training.eval_batch_size)
         trial["score"] = score_noisily(scores, plan.score_noise)
         trial["status"] = "scored"
         write_json(ledger_path, record)
