@@ -84,7 +84,7 @@ class DPAdamBC(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # a restored state dict carries the hyperparameters of its own run; the mechanism of
         # this one (a resumed run may be re-planned with another sigma) is put back after it
-        self.register_load_state_dict_post_hook(DPAdamBC._apply_noise)
+        self.register_load_state_dict_post_hook(_restore_noise)
 
     def set_noise(
         self, noise_multiplier: float, max_grad_norm: float, expected_batch: float
@@ -140,6 +140,12 @@ class DPAdamBC(torch.optim.Optimizer):
                 denom = (v_hat - group["noise_variance"]).clamp_min_(group["gamma"]).sqrt_()
                 p.addcdiv_(m_hat, denom, value=-group["lr"])
         return loss
+
+
+def _restore_noise(optimizer: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post-hook: put this mechanism's noise variance back."""
+    if isinstance(optimizer, DPAdamBC):
+        optimizer._apply_noise()
 
 
 def noise_variance_of(
