@@ -53,6 +53,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dpkfc_med.data.classes import (
+    CLASSES_KEY,
+    _class_counts,
+    _declared_class_names,
+    _undeclared_gap_problems,
+    _undeclared_problem,
+    _values,
+)
 from dpkfc_med.data.errors import DataValidationError
 from dpkfc_med.data.paths import sha256_file
 from dpkfc_med.data.units import as_unit_id_strings, unit_id_array_problems
@@ -71,8 +79,6 @@ __all__ = [
 DEFAULT_SPLITS = ("train", "val", "test")
 UNIT_IDS_SUFFIX = "_unit_ids"
 """Optional ``{split}_unit_ids`` arrays give each image's patient id (privacy unit)."""
-CLASSES_KEY = "classes"
-"""Optional 1-D array of class names: a declaration of the classes shipped with the data."""
 
 
 class Task(str, Enum):
@@ -300,86 +306,6 @@ class MedMNISTDataset:
         index = torch.randperm(len(labels), generator=gen)[: min(n, len(labels))]
         index, _ = torch.sort(index)  # keep file order so subsets of one seed nest predictably
         return TensorImageDataset(images[index], labels[index], transform)
-
-
-def _values(labels: np.ndarray, limit: int = 10) -> str:
-    """Distinct label values, e.g. ``[5, 7]`` (``[5, 7, ...]`` beyond ``limit``)."""
-    vals = np.unique(labels).tolist()
-    return str(vals[:limit])[:-1] + ", ...]" if len(vals) > limit else str(vals)
-
-
-def _undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int) -> list[str]:
-    """Undeclared classes: refuse labels beyond a class that no split uses.
-
-    Without declared classes the task has ``max(label) + 1`` classes. A class index with no
-    example anywhere (labels 0, 1 and 5 in a binary file) means that guess is wrong, so the
-    labels above the first unused index are reported instead of silently adding classes.
-    """
-    if observed_max < 0 or any(a.ndim != 1 for a in labels.values()):
-        return []
-    used = np.zeros(observed_max + 1, dtype=bool)
-    for lab in labels.values():
-        used[lab[lab >= 0].astype(np.int64)] = True
-    unused = np.flatnonzero(~used).tolist()
-    if not unused:
-        return []
-    gap = unused[0]
-    where = [
-        f"{s}_labels has {int((lab > gap).sum())} label(s) > {gap - 1} (values "
-        f"{_values(lab[lab > gap])})"
-        for s, lab in labels.items()
-        if (lab > gap).any()
-    ]
-    shown = unused[:10] + (["..."] if len(unused) > 10 else [])
-    return [
-        f"the classes are not declared (no num_classes and no medmnist.INFO entry for this "
-        f"file name) and the labels skip class(es) {shown}, which no split uses: "
-        f"{'; '.join(where)}. Inferring {observed_max + 1} classes would be a guess; declare "
-        "the classes (num_classes, or data.num_classes in a run config) and fix the labels "
-        "outside them"
-    ]
-
-
-def _undeclared_problem(suggested: int) -> str:
-    """The refusal of a file whose classes nobody declared (the count is not read off labels)."""
-    return (
-        "the number of classes is not declared: no num_classes, no medmnist.INFO entry for this "
-        f"file name and no {CLASSES_KEY!r} array of class names in the file. The class count "
-        "sets the released model's output layer and the probes, so it must not come from the "
-        "private labels (one training image with a new label would change it). Set "
-        "data.num_classes in the run config (CLI: --set data.num_classes=N; Python: "
-        f"num_classes=N) or store the class names in the file (np.savez(..., {CLASSES_KEY}="
-        "np.array(['normal', 'pneumonia']))). For you, the data custodian only, not for "
-        f"anything you share: the labels in this file suggest {suggested} classes "
-        "(largest label + 1)"
-    )
-
-
-def _declared_class_names(archive: Any, problems: list[str]) -> list[str]:
-    """Class names from the file's ``classes`` array (a declaration shipped with the data)."""
-    if CLASSES_KEY not in archive.files:
-        return []
-    try:
-        names = archive[CLASSES_KEY]
-    except ValueError as err:  # object arrays need pickle, which is refused
-        problems.append(
-            f"{CLASSES_KEY} could not be read without pickle ({err}); save class names as "
-            "strings (np.asarray(names, dtype=str))"
-        )
-        return []
-    if names.ndim != 1 or names.size == 0:
-        problems.append(
-            f"{CLASSES_KEY} has shape {names.shape}; expected a non-empty 1-D array with one "
-            "name per class"
-        )
-        return []
-    return [str(v) for v in names.tolist()]
-
-
-def _class_counts(labels: torch.Tensor, num_classes: int, multilabel: bool) -> list[int]:
-    if multilabel:
-        return [int(v) for v in labels.sum(dim=0).tolist()]
-    return [int(v) for v in torch.bincount(labels, minlength=num_classes).tolist()]
 
 
 def load_medmnist(
