@@ -2,10 +2,11 @@
 
 Two steps, both before the privacy engine wraps the network:
 
-1. :func:`load_pretrained` copies external weights into a freshly built network (a state dict,
-   a finished run's ``model.pt`` or a MONAI bundle folder), after checking that every key and
-   shape matches; keys matching ``skip`` patterns keep their fresh initialisation (a public
-   2-class model fine-tuned on a 3-class private task re-initialises its output layer).
+1. :func:`~dpkfc_med.models.pretrained.load_pretrained` copies external weights into a freshly
+   built network (a state dict, a finished run's ``model.pt`` or a MONAI bundle folder), after
+   checking that every key and shape matches; keys matching ``skip`` patterns keep their fresh
+   initialisation (a public 2-class model fine-tuned on a 3-class private task re-initialises
+   its output layer).
 2. :func:`apply_finetune` sets ``requires_grad`` for a fine-tuning mode (:class:`FinetuneMode`):
    every parameter, the last ``N`` parametrised modules, normalisation affines and biases, or
    LoRA adapters (Hu et al. 2022, "LoRA: Low-Rank Adaptation of Large Language Models",
@@ -27,18 +28,22 @@ Privacy guarantee:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dpkfc_med.models.pretrained import (
+    PretrainedWeightsError,
+    compile_patterns,
+    load_pretrained,
+    read_pretrained,
+)
 from dpkfc_med.utils import check_choice
 
 __all__ = [
@@ -60,7 +65,6 @@ __all__ = [
 log = logging.getLogger("dpkfc_med")
 
 _RECORD_ATTR = "_dpkfc_finetune"
-_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 _NORMS: tuple[type[nn.Module], ...] = tuple(
     t
     for t in (
@@ -87,18 +91,6 @@ class FinetuneMode(str, Enum):
     LORA = "lora"
 
 
-class PretrainedWeightsError(ValueError):
-    """External weights that cannot be loaded into the run's network.
-
-    Attributes:
-        problems: One line per problem, naming the key, what differs and the fix.
-    """
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("model.pretrained:\n  " + "\n  ".join(self.problems))
-
-
 @dataclass
 class FinetuneRecord:
     """What was loaded and which parameters train (the report's ``model`` fields).
@@ -120,181 +112,6 @@ class FinetuneRecord:
     trainable_modules: list[str] = field(default_factory=list)
     lora: dict[str, Any] | None = None
     pretrained: dict[str, Any] | None = None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_pretrained(path: str | Path) -> tuple[dict[str, Tensor], str, Path]:
-    """The state dict held by a weights file or MONAI bundle folder.
-
-    Args:
-        path: A ``.pt``/``.pth`` file holding a state dict, ``{"model": state_dict}`` (a
-            finished run's ``model.pt``) or ``{"state_dict": state_dict}``; or a MONAI bundle
-            folder (its ``models/model.pt``).
-
-    Returns:
-        ``(state_dict, format, file)``: ``format`` is ``"state dict"``, ``"run model.pt"``
-        or ``"MONAI bundle"``; ``file`` is the file read (its digest goes in the report).
-
-    Raises:
-        PretrainedWeightsError: no such file, not a tensor-only checkpoint, or no state dict.
-    """
-    p = Path(path)
-    fmt = "state dict"
-    if p.is_dir():
-        file = p / "models" / "model.pt"
-        if not file.is_file():
-            raise PretrainedWeightsError(
-                [
-                    f"{p}: a folder but not a MONAI bundle with models/model.pt; give a "
-                    ".pt/.pth state dict, a run's model.pt or a bundle folder"
-                ]
-            )
-        p, fmt = file, "MONAI bundle"
-    elif not p.is_file():
-        raise PretrainedWeightsError(
-            [
-                f"{p}: no such file or folder; give a .pt/.pth state dict, a run's model.pt or a "
-                "MONAI bundle folder"
-            ]
-        )
-    try:  # tensors and plain containers only: an external pickle must not run code
-        obj = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for foreign or unsafe pickles
-        raise PretrainedWeightsError(
-            [
-                f"{p}: cannot be read as a tensor-only checkpoint ({type(err).__name__}); "
-                "re-save it as a plain state dict: torch.save(model.state_dict(), path)"
-            ]
-        ) from None
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj, fmt = obj["model"], ("run model.pt" if fmt == "state dict" else fmt)
-    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise PretrainedWeightsError(
-            [
-                f"{p}: holds no state dict (a mapping of parameter names to tensors, or one "
-                "under the key 'model' or 'state_dict')"
-            ]
-        )
-    state = {str(k): v for k, v in obj.items()}
-    for prefix in ("module.", "_module."):  # DataParallel / Opacus GradSampleModule wrappers
-        if all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix) :]: v for k, v in state.items()}
-    return state, fmt, p
-
-
-def _compile(patterns: Iterable[str], field_name: str) -> list[re.Pattern[str]]:
-    out, problems = [], []
-    for pat in patterns:
-        try:
-            out.append(re.compile(pat))
-        except re.error as err:
-            problems.append(f"{field_name}: {pat!r} is not a regular expression ({err})")
-    if problems:
-        raise ValueError("\n".join(problems))
-    return out
-
-
-def load_pretrained(
-    model: nn.Module,
-    path: str | Path,
-    *,
-    skip: Sequence[str] = (),
-    source: str | None = None,
-) -> dict[str, Any]:
-    r"""Copy external weights into ``model`` after checking every key and shape.
-
-    Keys of ``model.state_dict()`` that match a ``skip`` pattern (``re.search`` in the dotted
-    key, e.g. ``"^classifier\.3\."``) keep their fresh initialisation, and the file's keys
-    matching one are ignored. Batch-norm statistics (``running_mean`` ...) of a layer that the
-    DP fixer replaced by a norm without statistics are dropped.
-
-    Args:
-        model: The freshly built (and DP-fixed) network, modified in place.
-        path: See :func:`read_pretrained`.
-        skip: Regular expressions of keys to leave at their initialisation.
-        source: Where the weights come from, as the user states it (reported as given).
-
-    Returns:
-        The provenance record: ``sha256``, ``source``, ``format``, ``reinitialised``,
-        ``dropped_keys``, ``path``.
-
-    Raises:
-        PretrainedWeightsError: missing / unexpected keys or shape mismatches, each naming the
-            first keys and the fix; all problems at once.
-    """
-    state, fmt, file = read_pretrained(path)
-    patterns = _compile(skip, "model.pretrained_skip")
-    mine = model.state_dict()
-
-    def skipped(key: str) -> bool:
-        return any(p.search(key) for p in patterns)
-
-    modules = dict(model.named_modules())
-    dropped = sorted(
-        k
-        for k in state
-        if k not in mine
-        and k.rsplit(".", 1)[-1] in _BN_STATS
-        and not isinstance(modules.get(k.rsplit(".", 1)[0]), nn.modules.batchnorm._NormBase)
-        and k.rsplit(".", 1)[0] in modules
-    )
-    missing = [k for k in mine if k not in state and not skipped(k)]
-    unexpected = [k for k in state if k not in mine and not skipped(k) and k not in dropped]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}"
-        for k in mine
-        if k in state and not skipped(k) and state[k].shape != mine[k].shape
-    ]
-    problems = []
-    fix = (
-        "check model.name / model.kwargs against the network the weights were trained with, "
-        "or leave keys at their fresh initialisation with model.pretrained_skip: [regex, ...]"
-    )
-    if shapes:
-        first = shapes[0].split(" ", 1)[0]
-        problems.append(
-            f"{len(shapes)} shape mismatch(es) (file vs network), first: {'; '.join(shapes[:3])}"
-            f"; a different class count re-initialises the output layer with "
-            f"model.pretrained_skip: ['^{re.escape(first.rsplit('.', 1)[0])}\\.']"
-        )
-    if missing:
-        problems.append(
-            f"{len(missing)} key(s) of the network missing from the file, first: "
-            f"{missing[:3]}; {fix}"
-        )
-    if unexpected:
-        problems.append(
-            f"{len(unexpected)} unexpected key(s) in the file, first: {unexpected[:3]}; {fix}"
-        )
-    if problems:
-        raise PretrainedWeightsError([f"{file}: {p}" for p in problems])
-    reinit = [k for k in mine if skipped(k)]
-    with torch.no_grad():
-        for k, v in mine.items():
-            if k in state and not skipped(k):
-                v.copy_(state[k].to(dtype=v.dtype, device=v.device))
-    if reinit:
-        log.info(
-            "model.pretrained: %d key(s) keep their fresh initialisation: %s", len(reinit), reinit
-        )
-    return {
-        "sha256": _sha256(file),
-        "source": source if source else "not stated",
-        "format": fmt,
-        "tensors_loaded": len(mine) - len(reinit),
-        "reinitialised": reinit,
-        "dropped_keys": dropped,
-        "path": str(file),
-    }
 
 
 def parametrised_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -354,7 +171,7 @@ def _lora_targets(model: nn.Module, targets: Sequence[str] | None, output: str) 
                 continue
             hits = [n for n, m in layers if type(m) is by_type[entry] and n != output]
         else:
-            pat = _compile([entry], "training.lora_targets")[0]
+            pat = compile_patterns([entry], "training.lora_targets")[0]
             hits = [n for n, _ in layers if pat.search(n)]
             if not hits:
                 other = [
