@@ -482,9 +482,9 @@ def load_segmentation_folder(
         num_classes: Declared classes (background included); overrides ``dataset.json``.
         on_unpaired: ``"error"`` or ``"warn"`` for an image without a label or vice versa.
         case_ids: Only index these cases; problems of other cases are not reported.
-        dicom_series: For a folder of DICOM series (one per case, see
-            :func:`~dpkfc_med.data.dicom.load_dicom_segmentation_folder`, which such a folder is
-            handed to): regex of the ``SeriesDescription`` to read where a case has several.
+        dicom_series: For a folder of DICOM series (one per case, handed to
+            :func:`~dpkfc_med.data.dicom_folders.load_dicom_segmentation_folder`): regex of
+            the ``SeriesDescription`` to read where a case has several.
         cache_dir: For DICOM series: where their NIfTI conversions are kept.
 
     Returns:
@@ -505,10 +505,10 @@ def load_segmentation_folder(
                 "(--data PATH, or resolve_data_path(..., kind='dir'))"
             ],
         )
-    from dpkfc_med.data import dicom  # lazy: dicom.py builds on this module
+    from dpkfc_med.data import dicom_folders  # lazy: it builds on this module
 
-    if dicom.is_dicom_series_folder(root):
-        return dicom.load_dicom_segmentation_folder(
+    if dicom_folders.is_dicom_series_folder(root):
+        return dicom_folders.load_dicom_segmentation_folder(
             root,
             num_classes=num_classes,
             on_unpaired=on_unpaired,
