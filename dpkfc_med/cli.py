@@ -103,7 +103,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "number of trials (Papernot & Steinke 2022), each an ordinary private run with "
         "hyperparameters drawn uniformly from --grid and scored on the validation units with "
         "Gaussian noise, and the release of the best one, spend at most --epsilon. Writes "
-        "OUT/model.pt (the best trial's), OUT/tuning_report.{json,md} and OUT/tuning.json (the "
+        "OUT/model.pt (the best trial's), OUT/tuning_report.{json,md} and, for the custodian, "
+        "OUT/private_not_for_release/tuning.json (the "
         "tuning's ledger); every trial stays under OUT/private_not_for_release/.",
     )
     _add_run_options(tu, out_help="the tuning's folder (default runs/{name}_tuning)")

@@ -6,7 +6,8 @@ The procedure of :mod:`dpkfc_med.privacy.selection` (Papernot & Steinke 2022):
    trial's training noise ``sigma`` and validation-score noise, so that the whole tuning --
    a random number of trials, only the best released -- spends at most the target.
 2. **Draw** the number of trials ``K`` and each trial's hyperparameters (uniformly from the
-   grid) from OS entropy, and write them to the tuning ledger (``tuning.json``) *before* the
+   grid) from OS entropy, and write them to the tuning ledger (:data:`TUNING_LEDGER`, with
+   every trial's score: custodian only) *before* the
    first trial: from then on the whole planned epsilon counts as spent, so a killed tuning can
    never under-report.
 3. **Run** each trial as an ordinary private run (its own ledger, checkpoint and report, under
@@ -45,7 +46,8 @@ from dpkfc_med.utils import write_json
 
 __all__ = ["TUNING_LEDGER", "parse_grid", "released_model", "run_tuning", "score_noisily"]
 
-TUNING_LEDGER = "tuning.json"
+TUNING_LEDGER = f"{PRIVATE_DIR}/tuning.json"
+"""The tuning's ledger: every trial's values and noisy score (custodian only, like a run's)."""
 TUNING_SCHEMA = "dpkfc_med.tuning/1"
 TRIALS_DIR = f"{PRIVATE_DIR}/trials"
 # Grid keys that would change the sampling rate, the number of steps, the units or the

@@ -85,6 +85,9 @@ def test_tuning_releases_the_best_trial_and_survives_a_kill(tmp_path, monkeypatc
     shared = (out / "tuning_report.md").read_text()
     other = [t for t in record["trials"] if t["index"] != best["index"]][0]
     assert f"{other['score']:.3f}" not in shared  # other trials' scores stay with the custodian
+    for path in out.iterdir():  # nothing outside the custodian folder holds another's score
+        if path.is_file() and path.suffix in (".json", ".md"):
+            assert repr(other["score"])[:12] not in path.read_text(), path
 
 
 def test_tune_cli_needs_the_total_epsilon(tmp_path, capsys):
