@@ -1,4 +1,8 @@
-"""3D segmentation data: NIfTI folders and MSD ``dataset.json`` indexes, splits and patch sampling.
+"""Segmentation data: NIfTI folders and MSD ``dataset.json`` indexes, splits and patch sampling.
+
+Volumes are 3-D; 2-D images come as 2-D NIfTI (``(X, Y)`` or ``(X, Y, 1)``) or as PNG / JPEG
+``images/`` + ``masks/`` folders (:mod:`.images2d`), and slices of volumes as 2-D samples of
+their volume (:mod:`.slices`).
 
 Privacy unit: one *volume* (one case). :class:`VolumeDataset` returns all ``k`` training
 patches of one volume as one item, so a Poisson / uniform sampler over the dataset draws
@@ -98,8 +102,9 @@ class SegmentationCase:
         image_path: The image file.
         label_path: The label map file.
         shape: Spatial shape ``(X, Y, Z)`` in NIfTI voxel order (MONAI keeps this order, so
-            tensors are ``[C, X, Y, Z]``).
-        spacing: Voxel size in mm along ``(X, Y, Z)`` from the header zooms.
+            tensors are ``[C, X, Y, Z]``); ``(X, Y)`` for a 2-D image (``(W, H)`` for PNG).
+        spacing: Voxel size in mm along each axis of ``shape`` from the header zooms (1.0
+            for PNG / JPEG pixels).
         image_dtype: On-disk image dtype, e.g. ``"float32"``.
         label_dtype: On-disk label dtype.
         channels: Image channels (a 4-D NIfTI stores them last; 1 for a 3-D image).
@@ -108,8 +113,8 @@ class SegmentationCase:
     case_id: str
     image_path: Path
     label_path: Path
-    shape: tuple[int, int, int]
-    spacing: tuple[float, float, float]
+    shape: tuple[int, ...]
+    spacing: tuple[float, ...]
     image_dtype: str
     label_dtype: str
     channels: int = 1
@@ -135,15 +140,20 @@ def _label_value_problem(
         return None
     outside = sorted(set(ints.tolist()) - set(allowed))
     if outside:
+        hint = " (a 0/255 mask? store class indices 0..K-1)" if outside == [255] else ""
         return (
             f"case {case_id}: {file_name} holds label value(s) {outside} outside "
             f"the declared classes {sorted(allowed)} ({source}); fix the label map or declare "
-            "the class"
+            f"the class{hint}"
         )
     return None
 
 
 def _read_array(path: Path) -> np.ndarray:
+    from dpkfc_med.data.images2d import IMAGE_SUFFIXES, read_image_array
+
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        return read_image_array(path)
     import nibabel as nib
 
     img: Any = nib.load(str(path))  # typed as the generic FileBasedImage by nibabel
@@ -160,8 +170,9 @@ class SegmentationCases:
         label_names: Class index -> name from ``dataset.json`` (``None`` if undeclared).
         num_classes: Declared number of classes, background included (``None`` if undeclared;
             then label maps are only checked to hold non-negative integers).
-        source: ``"dataset.json"`` or ``"imagesTr/labelsTr"``.
+        source: ``"dataset.json"``, ``"imagesTr/labelsTr"`` or ``"images/masks"``.
         dropped: Messages for unpaired files that were skipped with ``on_unpaired="warn"``.
+        reader: The MONAI image reader of the files (``"NibabelReader"``, ``"PILReader"``).
     """
 
     root: Path
@@ -170,6 +181,7 @@ class SegmentationCases:
     num_classes: int | None = None
     source: str = "imagesTr/labelsTr"
     dropped: list[str] = field(default_factory=list)
+    reader: str = "NibabelReader"
 
     def __post_init__(self) -> None:
         self._by_id = {c.case_id: c for c in self.cases}
@@ -364,7 +376,8 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
             root,
             [
                 f"missing folder(s) {missing} and no dataset.json with a 'training' list; "
-                "expected imagesTr/<case>.nii.gz paired with labelsTr/<case>.nii.gz"
+                "expected imagesTr/<case>.nii.gz paired with labelsTr/<case>.nii.gz (or, for "
+                "2D PNG / JPEG, images/<case>.png paired with masks/<case>.png)"
             ],
         )
     problems: _Notes = []
@@ -420,33 +433,35 @@ def _check_pair(cid: str, image_path: Path, label_path: Path) -> SegmentationCas
     if problems:
         return problems
     (ishape, izoom, idtype), (lshape, lzoom, ldtype) = facts["image"], facts["label"]
-    if len(ishape) not in (3, 4):
+    if len(ishape) not in (2, 3, 4):
         problems.append(
             f"case {cid}: image {image_path.name} has shape {ishape}; expected 3-D (X,Y,Z) or "
-            "4-D (X,Y,Z,C)"
+            "4-D (X,Y,Z,C), or 2-D (X,Y) / (X,Y,1) for 2D segmentation"
         )
-    if len(lshape) != 3:
+    if len(lshape) not in (2, 3):
         problems.append(
-            f"case {cid}: label {label_path.name} has shape {lshape}; expected 3-D (X,Y,Z)"
+            f"case {cid}: label {label_path.name} has shape {lshape}; expected 3-D (X,Y,Z) "
+            "(or 2-D (X,Y))"
         )
     if problems:
         return problems
-    if ishape[:3] != lshape:
+    n = min(len(ishape), 3)  # spatial axes of the image; a 4th axis holds channels
+    if ishape[:n] != lshape:
         return [
-            f"case {cid}: image shape {ishape[:3]} != label shape {lshape}; image and label "
+            f"case {cid}: image shape {ishape[:n]} != label shape {lshape}; image and label "
             "must be on the same voxel grid (resample the label onto the image)"
         ]
-    if not np.allclose(izoom[:3], lzoom[:3], rtol=1e-3, atol=1e-4):
+    if not np.allclose(izoom[:n], lzoom[:n], rtol=1e-3, atol=1e-4):
         return [
-            f"case {cid}: image spacing {izoom[:3]} != label spacing {lzoom[:3]} mm; fix the "
+            f"case {cid}: image spacing {izoom[:n]} != label spacing {lzoom[:n]} mm; fix the "
             "label header"
         ]
     return SegmentationCase(
         case_id=cid,
         image_path=image_path,
         label_path=label_path,
-        shape=(ishape[0], ishape[1], ishape[2]),
-        spacing=(izoom[0], izoom[1], izoom[2]),
+        shape=tuple(ishape[:n]),
+        spacing=tuple(izoom[:n]),
         image_dtype=idtype,
         label_dtype=ldtype,
         channels=ishape[3] if len(ishape) == 4 else 1,
@@ -462,16 +477,17 @@ def load_segmentation_folder(
     dicom_series: str | None = None,
     cache_dir: str | Path | None = None,
 ) -> SegmentationCases:
-    """Index a 3D segmentation dataset folder from its NIfTI headers.
+    """Index a segmentation dataset folder from its NIfTI (or PNG / JPEG) headers.
 
     The folder either has an MSD-style ``dataset.json`` (its ``training`` list pairs images
     with labels and its ``labels`` dict declares the classes) or ``imagesTr/`` and
     ``labelsTr/`` folders whose files pair by case ID (the file name without ``.nii(.gz)``;
     an image named ``<case>_0000`` in nnU-Net style pairs with label ``<case>``; hidden files
-    such as macOS ``._*`` forks are ignored). Header checks run for every case; voxel checks
-    run lazily (:meth:`SegmentationCases.load_case`, the label check in
-    :func:`segmentation_transforms`) or all at once with
-    :meth:`SegmentationCases.validate_all`.
+    such as macOS ``._*`` forks are ignored). A folder of DICOM series goes to
+    :mod:`.dicom_folders`, one of ``images/`` + ``masks/`` (PNG / JPEG) to :mod:`.images2d`.
+    Header checks run for every case; voxel checks run lazily
+    (:meth:`SegmentationCases.load_case`, the label check in :func:`segmentation_transforms`)
+    or all at once with :meth:`SegmentationCases.validate_all`.
 
     Unpaired files are an error by default: silently dropping a case changes ``N``, which
     enters the sampling rate of the privacy accounting and the dataset record of the report.
@@ -505,7 +521,12 @@ def load_segmentation_folder(
                 "(--data PATH, or resolve_data_path(..., kind='dir'))"
             ],
         )
-    from dpkfc_med.data import dicom_folders  # lazy: it builds on this module
+    from dpkfc_med.data import dicom_folders, images2d  # lazy: they build on this module
+
+    if images2d.is_image_mask_folder(root) and not (root / "imagesTr").is_dir():
+        return images2d.load_image_mask_folder(
+            root, num_classes=num_classes, on_unpaired=on_unpaired, case_ids=case_ids
+        )
 
     if dicom_folders.is_dicom_series_folder(root):
         return dicom_folders.load_dicom_segmentation_folder(
@@ -728,17 +749,23 @@ def segmentation_transforms(
     percentiles: tuple[float, float] = (0.5, 99.5),
     label_values: Sequence[int] | None = None,
     eval_center_crop: bool = False,
+    reader: str = "NibabelReader",
+    slices: Any = None,
 ) -> Callable[[dict[str, Any]], Any]:
-    """MONAI dictionary-transform preset for 3D segmentation (keys ``image`` and ``label``).
+    """MONAI dictionary-transform preset for 3D or 2D segmentation (keys ``image``, ``label``).
 
-    Pipeline: ``LoadImaged`` (nibabel) -> ``EnsureChannelFirstd`` -> label value check (if
-    ``label_values``) -> label cast to int64 -> per-volume intensity normalisation ->
-    ``SpatialPadd`` to at least ``spatial_size`` -> training only: ``k`` random patches
-    (``RandCropByPosNegLabeld`` or ``RandSpatialCropSamplesd``). Evaluation is deterministic:
-    the whole padded volume, or its centre crop with ``eval_center_crop``.
+    Pipeline: ``LoadImaged`` (``reader``) -> ``EnsureChannelFirstd`` -> 2D: trailing size-1
+    axes dropped -> label value check (if ``label_values``) -> label cast to int64 -> per-volume
+    (per-image) intensity normalisation -> ``SpatialPadd`` to at least ``spatial_size`` ->
+    training only: ``k`` random patches (``RandCropByPosNegLabeld`` or
+    ``RandSpatialCropSamplesd``). Evaluation is deterministic: the whole padded volume, or its
+    centre crop with ``eval_center_crop``. With ``slices`` the volume is normalised whole, then
+    training takes the rule's slices of a draw (:class:`~dpkfc_med.data.slices.RandSlicesd`),
+    each padded to the 2D ``spatial_size`` and cropped to it at a random position; evaluation
+    keeps the whole volume (a slice-by-slice inferer predicts it).
 
     Args:
-        spatial_size: Patch size ``(X, Y, Z)`` (an int means a cube).
+        spatial_size: Patch size ``(X, Y, Z)`` or ``(X, Y)`` (an int means a cube).
         train: Training pipeline (random patches) or evaluation pipeline (no randomness).
         num_patches_per_volume: ``k`` patches per volume in training.
         intensity: ``"zscore"`` (mean/std over nonzero voxels) or ``"percentile"`` (robust
@@ -751,6 +778,9 @@ def segmentation_transforms(
         label_values: Allowed label values; a volume holding others raises
             :class:`DataValidationError` naming the case. ``None`` skips the check.
         eval_center_crop: In evaluation, centre-crop to ``spatial_size`` so volumes batch.
+        reader: MONAI reader of the files (``"NibabelReader"``; ``"PILReader"`` for PNG).
+        slices: A :class:`~dpkfc_med.data.slices.SliceRule`: 2D samples are slices of the
+            3-D volumes (``spatial_size`` is in-plane).
 
     Returns:
         A ``monai.transforms.Compose``. In training it maps a record to a list of ``k``
@@ -776,16 +806,22 @@ def segmentation_transforms(
     if num_patches_per_volume < 1:
         raise ValueError(f"num_patches_per_volume={num_patches_per_volume} must be >= 1")
     size = (spatial_size,) * 3 if isinstance(spatial_size, int) else tuple(spatial_size)
-    if len(size) != 3 or any(int(s) < 1 for s in size):
-        raise ValueError(f"spatial_size={spatial_size!r} must be an int or 3 positive ints")
+    if len(size) not in (2, 3) or any(int(s) < 1 for s in size):
+        raise ValueError(f"spatial_size={spatial_size!r} must be an int or 2 or 3 positive ints")
+    if slices is not None and len(size) != 2:
+        raise ValueError(f"spatial_size={spatial_size!r}: slices need an in-plane (2D) size")
     keys = ["image", "label"]
 
     with warnings.catch_warnings():
         # LoadImaged always instantiates MONAI's optional GPU DICOM reader, which warns when
         # nvImageCodec is absent; NIfTI loading never uses it.
         warnings.filterwarnings("ignore", message="NvImgCodecPydicomReader")
-        load = LoadImaged(keys=keys, reader="NibabelReader", image_only=True)
+        load = LoadImaged(keys=keys, reader=reader, image_only=True)
     steps: list[Any] = [load, EnsureChannelFirstd(keys=keys)]
+    if len(size) == 2 and slices is None:
+        from dpkfc_med.data.slices import SqueezeToSpatialDims
+
+        steps.append(SqueezeToSpatialDims(2, keys))
     if label_values is not None:
         steps.append(_CheckLabelValues(label_values))
     steps += [
@@ -806,6 +842,18 @@ def segmentation_transforms(
                 channel_wise=True,
             )
         )
+    if slices is not None:
+        from monai.transforms import RandSpatialCropd
+
+        from dpkfc_med.data.slices import RandSlicesd
+
+        if train:
+            steps += [
+                RandSlicesd(slices, keys),
+                SpatialPadd(keys=keys, spatial_size=size),
+                RandSpatialCropd(keys=keys, roi_size=size, random_size=False),
+            ]
+        return Compose(steps)
     steps.append(SpatialPadd(keys=keys, spatial_size=size))
     if train:
         if crop is CropMode.POS_NEG:

@@ -40,6 +40,7 @@ __all__ = [
     "PretrainConfig",
     "ProbeConfig",
     "RunConfig",
+    "SliceConfig",
     "TrainingConfig",
     "load_config",
 ]
@@ -74,6 +75,29 @@ class Method(str, Enum):
 
 
 @dataclass
+class SliceConfig:
+    """2D segmentation on slices of 3D NIfTI volumes; the patient (volume) stays the privacy unit.
+
+    Attributes:
+        axis: voxel axis of the volumes that the slices are cut across (0, 1 or 2; in
+            RAS-ordered volumes such as MSD's, 2 gives axial slices); null = off. The network
+            is 2D, ``data.patch_size`` and ``data.spacing`` are in-plane (2 values), and the
+            slices of a volume are evaluated and reported per volume.
+        per_unit: slices of one volume per draw, all in that volume's one gradient (summed
+            before clipping); a config constant, so it is the public bound on samples per
+            unit. null = every slice (the count then follows each volume's extent, which the
+            shareable report does not state).
+        pick: which ``per_unit`` positions along ``axis``: ``random`` (new uniform positions
+            on every draw, from the volume's own random stream) or ``even`` (evenly spaced,
+            the same on every draw). Neither reads the labels.
+    """
+
+    axis: int | None = None
+    per_unit: int | None = 8
+    pick: str = "random"
+
+
+@dataclass
 class DataConfig:
     """Where the private data is and how to read it.
 
@@ -81,17 +105,20 @@ class DataConfig:
         path: a MedMNIST-format ``.npz``, a bare MedMNIST flag (``pneumoniamnist``), or a
             NIfTI folder (``imagesTr``/``labelsTr`` or ``dataset.json``) for segmentation.
         task: ``classification`` or ``segmentation``.
-        spatial_dims: force 2 or 3 (default: inferred from the file).
+        spatial_dims: force 2 or 3 (default: inferred from the file; segmentation: the
+            length of ``patch_size``).
         max_train: use only this many training units (quick runs); ``null`` = all.
         max_eval: cap on validation/test items (quick runs).
         download: allow downloading a MedMNIST flag (needs internet).
         split_fractions: train/val/test fractions for folders without a split (segmentation).
-        patch_size: segmentation: training patch (and probe) size; required -- it shapes the
-            preconditioner, so it must not be read off the private volumes. Whole volumes:
-            give a patch at least as large as the largest volume (they are padded to it).
+        patch_size: segmentation: training patch (and probe) size, 3 values for volumes and
+            2 for images or slices; required -- it shapes the preconditioner, so it must not be
+            read off the private volumes. Whole volumes: give a patch at least as large as the
+            largest volume (they are padded to it).
         patches_per_unit: patches drawn per volume per step (segmentation).
-        spacing: segmentation: voxel spacing of the probes in mm; required (the protocol's
-            spacing, not the private NIfTI headers'; the error suggests the headers' median).
+        spacing: segmentation: voxel spacing of the probes in mm, one value per axis of
+            ``patch_size``; required (the protocol's spacing, not the private NIfTI headers';
+            the error suggests the headers' median; PNG / JPEG pixels: 1.0 unless known).
         resize: classification: resize every image to this spatial size (MONAI ``Resize``,
             bilinear / trilinear) before the network; probes are drawn at the same size. Use it
             when a network downsamples more than the file's size allows (DenseNet121 needs at
@@ -120,6 +147,9 @@ class DataConfig:
             that picks the one series to read where a case folder holds several (e.g.
             ``"T1"``); it must match exactly one series of every case. Unset: a case folder
             with several series is refused, listing their UIDs and descriptions.
+        slices: segmentation: train a 2D network on slices of the folder's 3D volumes
+            (:class:`SliceConfig`); 2D images (a folder of 2D NIfTI, or ``images/`` + ``masks/``
+            of PNG / JPEG) need no slicing, only a 2-value ``patch_size``.
     """
 
     path: str = ""
@@ -139,6 +169,7 @@ class DataConfig:
     source: str | None = None
     shard: list[int] | None = None
     dicom_series: str | None = None
+    slices: SliceConfig = field(default_factory=SliceConfig)
 
 
 @dataclass
@@ -380,6 +411,7 @@ class RunConfig:
 _CHOICES: dict[str, list[str]] = {
     "method": [m.value for m in Method],
     "data.task": ["classification", "segmentation"],
+    "data.slices.pick": ["random", "even"],
     "training.optimizer": ["sgd", "adam", "adambc"],
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
@@ -404,6 +436,7 @@ _POSITIVE = {
     "training.eval_every",
     "probes.num_probes",
     "data.patches_per_unit",
+    "data.slices.per_unit",
     "pretrain.batch_size",
     "pretrain.lr",
     "training.finetune_last",

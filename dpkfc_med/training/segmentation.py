@@ -1,14 +1,17 @@
-"""3D segmentation task: NIfTI folders, one volume per privacy unit, Dice by sliding windows.
+"""Segmentation task: NIfTI / PNG folders, one volume or image per privacy unit, Dice by windows.
 
 The trainer (:mod:`.loop`) is generic; this module tells it how to read a segmentation folder
-(``imagesTr/`` + ``labelsTr/`` or an MSD ``dataset.json``), how to batch patches, which losses
-to use and how to evaluate.
+(``imagesTr/`` + ``labelsTr/`` or an MSD ``dataset.json``; ``images/`` + ``masks/`` of PNG),
+how to batch patches, which losses to use and how to evaluate. One code path serves 3D
+volumes, 2D images and 2D slices of volumes (:mod:`.segmentation_layout`): the number of
+spatial axes is a value, as in MONAI.
 
 Privacy unit:
     One item of the training set is one *volume* (one case / patient in MSD data) holding its
-    ``k = data.patches_per_unit`` random patches. Poisson sampling therefore draws volumes, and
-    :meth:`SegmentationTask.unpack` hands the trainer one unit id per patch, so the optimizer
-    sums the ``k`` per-patch gradients of a volume *before* clipping
+    ``k = data.patches_per_unit`` random patches (2D: one image and its patches; slices of
+    volumes: one volume and its ``data.slices.per_unit`` slices). Poisson sampling therefore
+    draws volumes, and :meth:`SegmentationTask.unpack` hands the trainer one unit id per patch,
+    so the optimizer sums the ``k`` per-patch gradients of a volume *before* clipping
     (:meth:`~dpkfc_med.privacy.optimizer.ScaleThenPrivatizeOptimizer.set_unit_ids`): adding or
     removing a patient moves the clipped sum by at most ``C`` whatever ``k`` is.
 
@@ -31,7 +34,9 @@ Split:
 Preprocessing uses per-volume statistics only (z-score over nonzero voxels), so no dataset-wide
 statistic of the private data is released. Evaluation reads whole volumes (padded to at least
 the patch size) with :func:`monai.inferers.sliding_window_inference` and reports Dice per
-foreground class (:class:`monai.metrics.DiceMetric`).
+foreground class (:class:`monai.metrics.DiceMetric`); a 2D network trained on slices predicts
+each whole volume slice by slice (:class:`monai.inferers.SliceInferer`), so its Dice and HD95
+are per volume (patient), as for a 3D network.
 """
 
 from __future__ import annotations
@@ -63,6 +68,12 @@ from dpkfc_med.data import (
     sha256_file,
 )
 from dpkfc_med.training.config import ConfigError, RunConfig
+from dpkfc_med.training.segmentation_layout import (
+    UNIT_VOLUME,
+    SegmentationLayout,
+    case_shape_problems,
+    resolve_layout,
+)
 from dpkfc_med.training.tasks import TASK_BUILDERS, Task
 
 __all__ = [
@@ -75,7 +86,7 @@ __all__ = [
 
 log = logging.getLogger("dpkfc_med")
 
-PRIVACY_UNIT = "patient/volume"
+PRIVACY_UNIT = UNIT_VOLUME
 """Name of the privacy unit in reports (one case of the folder)."""
 
 SPLITS = ("train", "val", "test")
@@ -87,21 +98,37 @@ class VolumeCollate:
     """Stack volume items into ``{"image": [B, k, C, *p], "label": [B, k, 1, *p]}``.
 
     Poisson sampling can draw an empty batch; it is returned as zero-size tensors with the right
-    trailing shape, so the trainer can still take its (noise-only) step.
+    trailing shape, so the trainer can still take its (noise-only) step. With
+    ``patches_per_unit=None`` (every slice of a volume: ``k`` differs between volumes) the
+    samples are concatenated, ``{"image": [N, C, *p], "label": [N, 1, *p], "unit": [N]}``
+    with the index of each sample's volume in ``unit``.
 
     Args:
-        patches_per_unit: ``k``.
+        patches_per_unit: ``k``, or ``None`` for a count that differs between items.
         channels: image channels ``C``.
         patch_size: spatial patch shape ``p``.
     """
 
-    def __init__(self, patches_per_unit: int, channels: int, patch_size: Sequence[int]) -> None:
-        self.k = int(patches_per_unit)
+    def __init__(
+        self, patches_per_unit: int | None, channels: int, patch_size: Sequence[int]
+    ) -> None:
+        self.k = None if patches_per_unit is None else int(patches_per_unit)
         self.channels = int(channels)
         self.patch_size = tuple(int(s) for s in patch_size)
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         """Collate ``items`` (each from :class:`~dpkfc_med.data.VolumeDataset`)."""
+        if self.k is None:
+            sizes = torch.tensor([len(it["image"]) for it in items], dtype=torch.int64)
+            empty = torch.zeros(0, self.channels, *self.patch_size)
+            return {
+                "image": torch.cat([it["image"] for it in items]) if items else empty,
+                "label": torch.cat([it["label"] for it in items])
+                if items
+                else torch.zeros(0, 1, *self.patch_size, dtype=torch.int64),
+                "unit": torch.arange(len(items)).repeat_interleave(sizes),
+                "case_id": [it["case_id"] for it in items],
+            }
         if not items:
             return {
                 "image": torch.zeros(0, self.k, self.channels, *self.patch_size),
@@ -217,20 +244,31 @@ def hausdorff95_scores(
 
 
 def _voxel_spacing(image: Tensor, fallback: Sequence[float] | None) -> list[float] | None:
+    """Spacing of each spatial axis of ``image [N, C, *S]`` from its header, else ``fallback``."""
+    n = image.ndim - 2
     pixdim = getattr(image, "pixdim", None)  # MONAI MetaTensor from the NIfTI header
     try:
-        values = [float(v) for v in pixdim][-3:] if pixdim is not None else None
+        values = [float(v) for v in pixdim][-n:] if pixdim is not None else None
     except TypeError:
         values = None
-    if values and len(values) == 3 and all(v > 0 for v in values):
+    if values and len(values) == n and all(v > 0 for v in values):
         return values
-    return list(fallback) if fallback is not None else None
+    return list(fallback) if fallback is not None and len(fallback) == n else None
 
 
 class SegmentationTask(Task):
-    """Dense segmentation of 3D volumes; the privacy unit is the volume (patient)."""
+    """Dense segmentation of 3D volumes or 2D images; the unit is the volume (patient) or image.
+
+    A 2D network trained on slices (``extra["slices"]``, a
+    :class:`~dpkfc_med.data.slices.SliceRule`) is evaluated on whole volumes, slice by slice.
+    """
 
     _loss_fn: Any = None
+
+    @property
+    def slices(self) -> Any:
+        """The slice rule of a run on slices of volumes, else ``None``."""
+        return self.extra.get("slices")
 
     def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Dice + cross-entropy of each patch ``[N]`` (MONAI ``DiceLoss``, ``batch=False``).
@@ -286,7 +324,11 @@ class SegmentationTask(Task):
         Returns:
             inputs ``[B*k, C, *p]`` float, targets ``[B*k, *p]`` int64 and unit ids ``[B*k]``
             (``arange(B).repeat_interleave(k)``: the patches of volume ``b`` share id ``b``).
+            A batch of volumes with different ``k`` (:class:`VolumeCollate` with ``None``)
+            is already flat and brings its ``unit`` ids.
         """
+        if "unit" in batch:
+            return batch["image"], batch["label"].squeeze(1).long(), batch["unit"]
         image, label = batch["image"], batch["label"]
         b, k = image.shape[0], image.shape[1]
         x = image.flatten(0, 1)
@@ -303,16 +345,31 @@ class SegmentationTask(Task):
     def predict(
         self, model: nn.Module, image: Tensor, device: torch.device, batch_size: int
     ) -> Tensor:
-        """Class ids ``[N, 1, *S]`` of whole volumes ``[N, C, *S]`` by sliding windows."""
-        from monai.inferers import sliding_window_inference
+        """Class ids ``[N, 1, *S]`` of whole volumes ``[N, C, *S]`` by sliding windows.
 
-        logits = sliding_window_inference(
-            image.to(device),
-            roi_size=self.patch_size,
-            sw_batch_size=max(1, int(batch_size)),
-            predictor=model,
-            overlap=SW_OVERLAP,
-        )
+        A 2D network on slices predicts each slice across the slice axis
+        (:class:`monai.inferers.SliceInferer`), each with 2D sliding windows.
+        """
+        from monai.inferers import SliceInferer, sliding_window_inference
+
+        sw = max(1, int(batch_size))
+        if self.slices is not None:
+            inferer = SliceInferer(
+                spatial_dim=self.slices.axis,
+                roi_size=self.patch_size,
+                sw_batch_size=sw,
+                overlap=SW_OVERLAP,
+                progress=False,
+            )
+            logits = inferer(image.to(device), model)
+        else:
+            logits = sliding_window_inference(
+                image.to(device),
+                roi_size=self.patch_size,
+                sw_batch_size=sw,
+                predictor=model,
+                overlap=SW_OVERLAP,
+            )
         return torch.as_tensor(logits).argmax(1, keepdim=True).cpu()
 
     def evaluate(
@@ -382,7 +439,13 @@ class SegmentationTask(Task):
                 missed.append(int(np.isinf(col).sum()))
             out["hd95_per_class"] = dict(zip(names, hd95))
             out["hd95_missed_cases"] = dict(zip(names, missed))
-            out["hd95_unit"] = "mm (voxel spacing of each volume's header)"
+            out["hd95_unit"] = (
+                "pixels (PNG / JPEG carry no pixel size)"
+                if self.extra.get("reader") == "PILReader"
+                else "mm (voxel spacing of each volume's header)"
+            )
+        if self.slices is not None:
+            out["per"] = "volume (each patient's slices predicted and scored together)"
         return out
 
     def _foreground_names(self) -> list[str]:
@@ -404,7 +467,7 @@ class SegmentationTask(Task):
     def write_overlays(
         self, model: nn.Module, out_dir: Path, device: torch.device, num: int = NUM_OVERLAYS
     ) -> list[Path]:
-        """PNG overlays (middle axial slice) of the first ``num`` validation cases.
+        """PNG overlays (a 2D image whole, a volume's middle slice) of the first ``num`` cases.
 
         Each figure shows the image in grey, the ground truth, and the prediction (filled
         colours, with the ground-truth contours drawn over the prediction).
@@ -426,6 +489,8 @@ class SegmentationTask(Task):
         colours = [palette[1 + (c - 1) % (len(palette) - 1)] for c in range(1, k)]
         cmap = ListedColormap(colours)
         names = self._foreground_names()
+        # pictures have their first row at the top; NIfTI volumes are shown radiologically
+        origin = "upper" if self.extra.get("reader") == "PILReader" else "lower"
         written = []
         was = model.training
         model.eval()
@@ -437,16 +502,20 @@ class SegmentationTask(Task):
                 image = item["image"][0, 0].numpy()
                 label = item["label"][0, 0].numpy()
                 guess = pred[0, 0].numpy()
-                z = image.shape[-1] // 2  # axial = last NIfTI voxel axis
-                sl = (slice(None), slice(None), z)
-                img, gt, pr = image[sl].T, label[sl].T, guess[sl].T
+                # volumes: the middle slice across the slice axis (default the last NIfTI
+                # voxel axis, axial in RAS volumes); 2D images whole
+                axis = self.slices.axis if self.slices is not None else 2
+                z = image.shape[axis] // 2 if image.ndim == 3 else None
+                img, gt, pr = (
+                    (a if z is None else np.take(a, z, axis=axis)).T for a in (image, label, guess)
+                )
                 fig, axes = plt.subplots(1, 3, figsize=(9, 3.4))
                 for ax, title, mask in (
                     (axes[0], "image", None),
                     (axes[1], "ground truth", gt),
                     (axes[2], "prediction (GT contours)", pr),
                 ):
-                    ax.imshow(img, cmap="gray", origin="lower")
+                    ax.imshow(img, cmap="gray", origin=origin)
                     if mask is not None:
                         shown = np.ma.masked_where(mask == 0, mask - 1)
                         ax.imshow(
@@ -455,7 +524,7 @@ class SegmentationTask(Task):
                             vmin=0,
                             vmax=max(k - 2, 1),
                             alpha=0.5,
-                            origin="lower",
+                            origin=origin,
                             interpolation="nearest",
                         )
                     ax.set_title(title, fontsize=9)
@@ -466,9 +535,8 @@ class SegmentationTask(Task):
                             gt == c, levels=[0.5], colors=[colours[c - 1]], linewidths=0.8
                         )
                 scores = ", ".join(f"{n} {d:.3f}" for n, d in zip(names, dice))
-                fig.suptitle(
-                    f"{data.case_ids[i]} ({split}), slice z={z}: Dice {scores}", fontsize=9
-                )
+                where = "" if z is None else f", slice {'xyz'[axis]}={z}"
+                fig.suptitle(f"{data.case_ids[i]} ({split}){where}: Dice {scores}", fontsize=9)
                 fig.tight_layout()
                 path = out_dir / f"{data.case_ids[i]}.png"
                 fig.savefig(path, dpi=100)
@@ -486,41 +554,50 @@ class SegmentationTask(Task):
 # patient, so the preconditioner would no longer be post-processing. They come from the config
 # (or the folder's declared task description); the data only *suggests* values, printed for the
 # custodian in the error, never used silently.
-def _patch_size(cfg: RunConfig, cases: SegmentationCases, problems: list[str]) -> tuple[int, ...]:
-    """The configured training patch (required)."""
+def _patch_size(
+    cfg: RunConfig, cases: SegmentationCases, layout: SegmentationLayout, problems: list[str]
+) -> tuple[int, ...]:
+    """The configured training patch (required), one size per spatial axis of the layout."""
+    n = layout.spatial_dims
     if cfg.data.patch_size is None:
-        biggest = np.max([c.shape for c in cases], axis=0)
+        biggest = np.max([layout.plane(c.shape) for c in cases if len(c.shape) >= n], axis=0)
         hint = [int(-(-s // 16) * 16) for s in biggest]
+        what = "slices" if layout.slices is not None else ("volumes" if n == 3 else "images")
         problems.append(
             "data.patch_size: required for segmentation (the probes' shape must come from the "
-            "config, not from the private volumes); whole volumes padded to the largest case "
+            f"config, not from the private {what}); whole {what} padded to the largest case "
             f"here would be {hint} (for the custodian: derived from the private data, not used)"
         )
-        return (16, 16, 16)
+        return (16,) * n
     p = list(cfg.data.patch_size)
-    if len(p) != 3 or any(not isinstance(s, int) or s < 1 for s in p):
-        problems.append(f"data.patch_size={p!r}: must be 3 positive integers, e.g. [32, 32, 32]")
-        return (16, 16, 16)
-    return (p[0], p[1], p[2])
+    if len(p) != n or any(not isinstance(s, int) or s < 1 for s in p):
+        if len(p) in (2, 3) and len(p) != n:
+            return (16,) * n  # the layout already named the length
+        problems.append(f"data.patch_size={p!r}: must be {n} positive integers, e.g. {[32] * n}")
+        return (16,) * n
+    return tuple(p)
 
 
 def _spacing(
-    cfg: RunConfig, cases: SegmentationCases, problems: list[str]
+    cfg: RunConfig, cases: SegmentationCases, layout: SegmentationLayout, problems: list[str]
 ) -> tuple[tuple[float, ...], str]:
-    """The configured voxel spacing of the probes (required)."""
+    """The configured voxel spacing of the probes (required), in-plane for slices."""
+    n = layout.spatial_dims
     if cfg.data.spacing is not None:
         s = [float(v) for v in cfg.data.spacing]
-        if len(s) != 3 or any(not v > 0 for v in s):
-            problems.append(f"data.spacing={s!r}: must be 3 positive numbers in mm")
+        if len(s) != n or any(not v > 0 for v in s):
+            where = " (in-plane: the slices' two axes)" if layout.slices is not None else ""
+            problems.append(f"data.spacing={s!r}: must be {n} positive numbers in mm{where}")
         return tuple(s), "data.spacing"
-    med = np.median(np.asarray([c.spacing for c in cases], dtype=np.float64), axis=0)
+    rows = [layout.plane(c.spacing) for c in cases if len(c.spacing) >= n]
+    med = np.median(np.asarray(rows, dtype=np.float64), axis=0)
     hint = [round(float(v), 3) for v in med]
     problems.append(
         "data.spacing: required for segmentation (the probes' voxel spacing in mm must come "
         "from the config or the protocol, not from the private NIfTI headers); the headers' "
         f"median here is {hint} (for the custodian: derived from the private data, not used)"
     )
-    return (1.0, 1.0, 1.0), "unset"
+    return (1.0,) * n, "unset"
 
 
 def _label_names(cases: SegmentationCases, num_classes: int) -> list[str]:
@@ -530,12 +607,11 @@ def _label_names(cases: SegmentationCases, num_classes: int) -> list[str]:
 
 def _undeclared_num_classes(cases: SegmentationCases) -> int:
     """Classes of a folder without declared labels: the largest label value + 1."""
-    import nibabel as nib
+    from dpkfc_med.data.nifti import _read_array
 
     top = 0
     for case in cases:
-        image: Any = nib.load(str(case.label_path))  # typed as the generic FileBasedImage
-        top = max(top, int(np.asanyarray(image.dataobj).max()))
+        top = max(top, int(_read_array(case.label_path).max()))
     return max(2, top + 1)
 
 
@@ -558,7 +634,8 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     """Read and validate a segmentation folder into a :class:`SegmentationTask`.
 
     Every case in use is checked before anything is written (pairing, headers, image/label
-    shape, readability, label values against the declared classes); errors name the case.
+    shape, readability, label values against the declared classes, and whether its image fits
+    the run's 2D / 3D layout); errors name the case and the file.
 
     Args:
         cfg: the run configuration (``data.*``, ``training.seed``).
@@ -571,15 +648,9 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     Raises:
         DataValidationError: a bad case (named) or folder layout.
         DataNotFoundError: the folder does not exist.
-        ConfigError: bad ``data.patch_size`` / ``data.spacing`` / ``data.split_fractions``.
+        ConfigError: bad ``data.patch_size`` / ``data.spacing`` / ``data.split_fractions`` /
+            ``data.spatial_dims`` / ``data.slices``.
     """
-    if cfg.data.spatial_dims not in (None, 3):
-        raise ConfigError(
-            [
-                f"data.spatial_dims={cfg.data.spatial_dims}: segmentation folders hold 3-D "
-                "volumes; drop the field or set it to 3"
-            ]
-        )
     if cfg.data.resize is not None:
         raise ConfigError(
             [
@@ -611,8 +682,11 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     own_data = data_path is None or _same_folder(root, cfg.data.path)
     # Foreign data is evaluated on every case; the run's own data only on the cases in use.
     checked = cases if not own_data else cases.select(used)
-    checked.validate_all()
     problems: list[str] = []  # every config problem is reported at once
+    layout = resolve_layout(cfg, cases, problems)
+    if not problems and (misfits := case_shape_problems(layout, checked)):
+        raise DataValidationError(root, misfits)
+    checked.validate_all()
     if own_data:  # other data is evaluated whole ("all"), whatever its split
         try:
             deterministic_split(cases.case_ids, fractions, seed)  # a split too small?
@@ -655,29 +729,40 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
             ],
         )
     in_channels = next(iter(by_channels))
-    patch = _patch_size(cfg, cases, problems)
-    spacing, spacing_from = _spacing(cfg, cases, problems)
+    patch = _patch_size(cfg, cases, layout, problems)
+    spacing, spacing_from = _spacing(cfg, cases, layout, problems)
     if problems:
         raise ConfigError(problems)
-    k = int(cfg.data.patches_per_unit)
+    rule = layout.slices
+    k = int(cfg.data.patches_per_unit) if rule is None else rule.per_unit
+    if k is None and rule is not None:
+        # every slice of a volume: the count is each volume's extent, for the custodian only
+        max_per_unit = max(cases[c].shape[rule.axis] for c in split_ids["train"] or used)
+    else:
+        max_per_unit = int(k or 1)
+    reading: dict[str, Any] = {
+        "label_values": cases.label_values,
+        "reader": cases.reader,
+        "slices": rule,
+    }
 
     train_transform = segmentation_transforms(
         spatial_size=patch,
         train=True,
-        num_patches_per_volume=k,
+        num_patches_per_volume=k or 1,
         intensity="zscore",
-        label_values=cases.label_values,
+        **reading,
     )
     train_set = VolumeDataset(
         cases,
         case_ids=split_ids["train"],
         transform=_CachedPrefix(train_transform),
-        num_patches_per_volume=k,
+        num_patches_per_volume=k or 1,
         seed=cfg.training.seed,
     )
     # One deterministic evaluation pipeline for every split: the whole volume, padded.
     eval_transform = segmentation_transforms(
-        spatial_size=patch, train=False, intensity="zscore", label_values=cases.label_values
+        spatial_size=patch, train=False, intensity="zscore", **reading
     )
     splits: dict[str, Any] = {
         name: _CachedVolumes(VolumeDataset(cases, case_ids=ids, transform=eval_transform))
@@ -685,7 +770,9 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
     }
     record = {
         "path": str(root),
-        "format": f"nifti-folder ({cases.source})",
+        "format": (
+            f"{'image' if cases.reader == 'PILReader' else 'nifti'}-folder ({cases.source})"
+        ),
         "sha256": {
             f"{root.name} (manifest of {len(checked)} image/label pairs)": _fingerprint(checked)
         },
@@ -701,13 +788,14 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
         "num_classes_source": classes_from,
         "patch_size": list(patch),
         "patches_per_unit": k,
+        **layout.describe(),
         "spacing_mm": list(spacing),
         "spacing_source": spacing_from,
         "intensity": "z-score per volume over nonzero voxels (no dataset-wide statistic)",
     }
     return SegmentationTask(
         kind="segmentation",
-        spatial_dims=3,
+        spatial_dims=layout.spatial_dims,
         in_channels=in_channels,
         num_classes=num_classes,
         spatial_shape=patch,
@@ -715,8 +803,9 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
         train_set=train_set,
         data_record=record,
         selection_metric="mean_dice",
-        privacy_unit=PRIVACY_UNIT,
-        max_samples_per_unit=k,
+        privacy_unit=layout.privacy_unit,
+        max_samples_per_unit=max_per_unit,
+        max_samples_public=k is not None,
         spacing=spacing,
         intensity="zscore",
         extra={
@@ -725,6 +814,8 @@ def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Seg
             "cases": cases,
             "own_data": own_data,
             "collate": VolumeCollate(k, in_channels, patch),
+            "slices": rule,
+            "reader": cases.reader,
         },
     )
 

@@ -593,6 +593,11 @@ def _data_field_problems(cfg: RunConfig) -> list[str]:
                 f"data.unit_ids: applies to classification only; a {d.task} folder has one "
                 "unit per case: drop the field"
             )
+    elif d.slices.axis is not None:
+        problems.append(
+            "data.slices: applies to segmentation (2D training on slices of volumes); drop "
+            "it for classification"
+        )
     if d.num_classes is not None and (isinstance(d.num_classes, bool) or d.num_classes < 2):
         problems.append(f"data.num_classes={d.num_classes!r}: must be an integer >= 2 (or null)")
     if d.shard is not None:

@@ -96,7 +96,9 @@ def test_transform_options() -> None:
     with pytest.raises(ValueError, match="intensity='minmax' is not one of 'zscore', 'percentile'"):
         segmentation_transforms(spatial_size=8, train=True, intensity="minmax")
     with pytest.raises(ValueError, match="spatial_size"):
-        segmentation_transforms(spatial_size=(8, 8), train=True)
+        segmentation_transforms(spatial_size=(8, 8, 8, 8), train=True)
+    with pytest.raises(ValueError, match="slices need an in-plane"):
+        segmentation_transforms(spatial_size=(8, 8, 8), train=True, slices=object())
 
 
 # --- deterministic split -------------------------------------------------------------------
