@@ -103,7 +103,8 @@ class DataConfig:
 
     Attributes:
         path: a MedMNIST-format ``.npz``, a bare MedMNIST flag (``pneumoniamnist``), or a
-            NIfTI folder (``imagesTr``/``labelsTr`` or ``dataset.json``) for segmentation.
+            NIfTI folder (``imagesTr``/``labelsTr`` or ``dataset.json``) for segmentation (or
+            ``images/`` + ``masks/`` of PNG / JPEG for 2D segmentation).
         task: ``classification`` or ``segmentation``.
         spatial_dims: force 2 or 3 (default: inferred from the file; segmentation: the
             length of ``patch_size``).

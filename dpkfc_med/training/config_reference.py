@@ -33,6 +33,7 @@ from dpkfc_med.training.config import (
     PrivacyConfig,
     ProbeConfig,
     RunConfig,
+    SliceConfig,
     TrainingConfig,
 )
 
@@ -41,6 +42,7 @@ __all__ = ["SECTIONS", "field_rows", "render"]
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("", RunConfig),
     ("data", DataConfig),
+    ("data.slices", SliceConfig),
     ("model", ModelConfig),
     ("privacy", PrivacyConfig),
     ("training", TrainingConfig),
