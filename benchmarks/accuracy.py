@@ -2,7 +2,7 @@
 
 Run (full PneumoniaMNIST, small CNN, epsilon 1 and 8, seeds 1-3)::
 
-    python benchmarks/accuracy.py --suite pneumonia_cnn --eps 1,8
+    python -m benchmarks accuracy --suite pneumonia_cnn --eps 1,8
 
 Other suites: ``pneumonia_cnn_long`` (20 epochs instead of 10), ``pneumonia_densenet`` (a
 reduced MONAI DenseNet), ``adrenal3d_cnn``
@@ -26,11 +26,7 @@ import argparse
 import copy
 import json
 import math
-import os
-import platform
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,12 +36,24 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dpkfc_med.training.config import config_from_dict  # noqa: E402
-from dpkfc_med.training.loop import train  # noqa: E402
-from dpkfc_med.training.tasks import build_task  # noqa: E402
+from benchmarks.harness import (
+    RESULTS,
+    environment,
+    floats,
+    fmt_mean_std,
+    git_commit,
+    ints,
+    load_results,
+    merge,
+    pending,
+    record,
+    runs_dir,
+    save_results,
+    table,
+)
+from dpkfc_med.training.config import config_from_dict
+from dpkfc_med.training.run import train
+from dpkfc_med.training.tasks import build_task
 
 SUITES: dict[str, dict[str, Any]] = {
     "pneumonia_cnn": {
@@ -100,7 +108,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "opacus": {"method": "opacus"},  # Opacus' own PrivacyEngine, none of our privacy code
     "dp-sgd": {"method": "dp-sgd"},
     "dp-kfc": {"method": "dp-kfc"},  # the shipped default preconditioner
-    # the default until session 6: dense U_A (rank_a null); see DENSE_A_DEFAULT_UNTIL
+    # the dense U_A (rank_a null) instead of the default low-rank one
     "dp-kfc-dense": {"method": "dp-kfc", "preconditioner": {"rank_a": None}},
     "dp-kfc-white": {"method": "dp-kfc-white"},
     # a public proxy of another modality (AdrenalMNIST3D CT masks, central slices for 2D
@@ -163,28 +171,20 @@ METHODS: dict[str, dict[str, Any]] = {
     },
 }
 
-DENSE_A_DEFAULT_UNTIL = "2026-12-01 (session 6)"
-"""Until then the default ``U_A`` was dense (``rank_a`` null). Every DP-KFC variant here was
-measured that way and keeps it pinned, so its committed runs stay what they were; only
-``dp-kfc`` follows the current default (``rank_a`` 64) and ``dp-kfc-dense`` is the old one."""
+# Every DP-KFC variant other than ``dp-kfc`` (the package default, low-rank ``U_A``) runs with
+# the dense ``U_A`` (``rank_a`` null) unless it sets ``rank_a`` itself, so a variant differs
+# from ``dp-kfc-dense`` in its own overrides only.
 for _name, _spec in METHODS.items():
     if _spec["method"].startswith("dp-kfc") and _name != "dp-kfc":
         _spec.setdefault("preconditioner", {}).setdefault("rank_a", None)
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
-    return out
 
 
 def _config(
     suite: str, method: str, eps: float, lr: float, seed: int, quick: bool, out: Path
 ) -> dict:
     spec = METHODS[method]
-    cfg = _merge(SUITES[suite], {k: v for k, v in spec.items() if k not in ("method", "lrs")})
-    cfg = _merge(
+    cfg = merge(SUITES[suite], {k: v for k, v in spec.items() if k not in ("method", "lrs")})
+    cfg = merge(
         cfg,
         {
             "name": f"{suite}_{method}_eps{eps:g}_lr{lr:g}_s{seed}",
@@ -196,14 +196,14 @@ def _config(
         },
     )
     if quick:
-        cfg = _merge(
+        cfg = merge(
             cfg,
             {
                 "data": {"max_train": 256, "max_eval": 128},
                 "training": {"epochs": 2, "batch_size": 64},
             },
         )
-        cfg = _merge(
+        cfg = merge(
             cfg, {"probes": {"num_probes": 32}, "preconditioner": {"calibration_samples": 4}}
         )
     return cfg
@@ -214,7 +214,7 @@ def _run_opacus(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from opacus import PrivacyEngine
 
     from dpkfc_med.models import build_model
-    from dpkfc_med.training.loop import plan_privacy
+    from dpkfc_med.training.plan import plan_privacy
 
     cfg = config_from_dict(cfg_dict)
     task = build_task(cfg)
@@ -283,36 +283,6 @@ def _short(m: dict[str, Any]) -> dict[str, float]:
     return {k: m[k] for k in ("accuracy", "balanced_accuracy", "auroc")}
 
 
-def _environment() -> dict[str, Any]:
-    from dpkfc_med.report import collect_environment
-
-    env = collect_environment(ROOT)
-    env["torch_threads"] = torch.get_num_threads()
-    env["platform"] = platform.platform()
-    return env
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _load(path: Path) -> dict[str, Any]:
-    if path.is_file():
-        return json.loads(path.read_text())
-    return {"runs": []}
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 def _grid(sgd_lrs: list[float], method: str) -> list[float]:
     """The method's learning-rate grid: its own (Adam-type optimizers) or the SGD grid."""
     return list(METHODS[method].get("lrs", sgd_lrs))
@@ -343,31 +313,33 @@ def summarize(data: dict[str, Any]) -> str:
             chosen[key] = _best_lr(data, *key)  # type: ignore[assignment]
         if r["phase"] == "eval" and r["lr"] == chosen[key]:
             rows.setdefault(key, []).append(r)
-    lines = [
-        f"## {data.get('suite')} (test split; mean +- std over seeds {data.get('seeds')})",
-        "",
-        "| method | epsilon | lr (chosen on val) | test accuracy | test balanced acc. | test AUROC | eps spent | runs |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-
-    def fmt(values: list[float]) -> str:
-        a = np.asarray(values, dtype=float)
-        return f"{a.mean():.3f} +- {a.std(ddof=1) if len(a) > 1 else 0:.3f}"
-
     order = list(METHODS)
+    body = []
     for (method, eps), runs in sorted(
         rows.items(), key=lambda kv: (kv[0][1] or 0.0, order.index(kv[0][0]))
     ):
         t = [r["test"] for r in runs]
         spent = [r["epsilon"] for r in runs if r["epsilon"] is not None]
-        lines.append(
-            f"| {method} | {eps:g} | {chosen[(method, eps)]:g} | {fmt([x['accuracy'] for x in t])} | "
-            f"{fmt([x['balanced_accuracy'] for x in t])} | {fmt([x['auroc'] for x in t])} | "
-            f"{max(spent):.3f} | {len(runs)} |"
-            if spent
-            else f"| {method} | - | {chosen[(method, eps)]:g} | {fmt([x['accuracy'] for x in t])} | "
-            f"{fmt([x['balanced_accuracy'] for x in t])} | {fmt([x['auroc'] for x in t])} | - | {len(runs)} |"
+        body.append(
+            [
+                method,
+                f"{eps:g}" if spent else "-",
+                f"{chosen[(method, eps)]:g}",
+                *(
+                    fmt_mean_std([x[k] for x in t])
+                    for k in ("accuracy", "balanced_accuracy", "auroc")
+                ),
+                f"{max(spent):.3f}" if spent else "-",
+                str(len(runs)),
+            ]
         )
+    header = ["method", "epsilon", "lr (chosen on val)", "test accuracy", "test balanced acc."]
+    header += ["test AUROC", "eps spent", "runs"]
+    lines = [
+        f"## {data.get('suite')} (test split; mean +- std over seeds {data.get('seeds')})",
+        "",
+        *table(header, body),
+    ]
     shown = sorted({m for m, _ in rows}, key=order.index)
     lines += [
         "",
@@ -379,20 +351,19 @@ def summarize(data: dict[str, Any]) -> str:
         + json.dumps({k: v for k, v in METHODS[m].items() if k != "lrs"}, sort_keys=True)
         for m in shown
     ]
-    lines += [
-        "",
-        "Tuning runs (seed 0, validation AUROC):",
-        "",
-        "| method | epsilon | lr | val AUROC | val acc |",
-        "|---|---|---|---|---|",
+    tuning = [
+        [
+            r["method"],
+            "-" if r["eps"] is None else f"{r['eps']:g}",
+            f"{r['lr']:g}",
+            f"{r['val']['auroc']:.3f}",
+            f"{r['val']['accuracy']:.3f}",
+        ]
+        for r in data["runs"]
+        if r["phase"] == "tune"
     ]
-    for r in data["runs"]:
-        if r["phase"] == "tune":
-            eps_txt = "-" if r["eps"] is None else f"{r['eps']:g}"
-            lines.append(
-                f"| {r['method']} | {eps_txt} | {r['lr']:g} | {r['val']['auroc']:.3f} | "
-                f"{r['val']['accuracy']:.3f} |"
-            )
+    lines += ["", "Tuning runs (seed 0, validation AUROC):", ""]
+    lines += table(["method", "epsilon", "lr", "val AUROC", "val acc"], tuning)
     lines += _evidence(data, rows)
     commits = sorted({str(r.get("git_commit", "not recorded"))[:12] for r in data["runs"]})
     lines += ["", f"Runs made at git commits: {', '.join(commits)}."]
@@ -472,102 +443,85 @@ def main(argv: list[str] | None = None) -> int:
         parts = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
         merged = {**parts[0], "runs": [r for part in parts for r in part["runs"]]}
         merged["seeds"] = sorted({s for part in parts for s in part.get("seeds", [])})
-        target = args.out or ROOT / "benchmarks" / "results" / f"accuracy_{args.suite}.json"
-        _save(target, merged)
+        target = args.out or RESULTS / f"accuracy_{args.suite}.json"
+        save_results(target, merged)
         target.with_suffix(".md").write_text(summarize(merged))
         print(target.with_suffix(".md").read_text())
         return 0
     torch.set_num_threads(args.threads)
     suffix = "_quick" if args.quick else ""
-    out = args.out or ROOT / "benchmarks" / "results" / f"accuracy_{args.suite}{suffix}.json"
+    out = args.out or RESULTS / f"accuracy_{args.suite}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    runs_dir = Path(os.environ.get("DPKFC_BENCH_RUNS", "/tmp/dpkfc_bench_runs")) / args.suite
-    data = _load(out)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    data = load_results(out)
+    lrs = floats(args.lrs)
     data.update(
         {
             "suite": args.suite,
             "suite_config": SUITES[args.suite],
             "protocol": __doc__.split("Tuning protocol")[1].split("Results are")[0].strip(),
-            "lrs": [float(x) for x in args.lrs.split(",")],
-            "seeds": seeds,
+            "lrs": lrs,
+            "seeds": ints(args.seeds),
             "tuning_seed": 0,
             "quick": args.quick,
-            "environment": _environment(),
+            "environment": environment(),
         }
     )
-    data["git_commit"] = _git_commit()
-    done = {(r["phase"], r["method"], r["eps"], r["lr"], r["seed"]) for r in data["runs"]}
-    methods = args.methods.split(",")
-    eps_list = [float(e) for e in args.eps.split(",")]
-    lrs = [float(x) for x in args.lrs.split(",")]
+    data["git_commit"] = git_commit()
+    eps_list = floats(args.eps)
     for eps in eps_list:
-        for method in methods:
-            e = None if method == "nonprivate" else eps
+        for method in args.methods.split(","):
             if method == "nonprivate" and eps != eps_list[0]:
-                continue
-            for lr in _grid(lrs, method):
-                key = ("tune", method, e, lr, 0)
-                if key not in done:
-                    t0 = time.time()
-                    res = _run(
-                        _config(args.suite, method, eps, lr, 0, args.quick, runs_dir), method
-                    )
-                    data["runs"].append(
-                        {
-                            "phase": "tune",
-                            "method": method,
-                            "eps": e,
-                            "lr": lr,
-                            "seed": 0,
-                            "val": _short(res["metrics"]["val"]),
-                            "test": _short(res["metrics"]["test"]),
-                            "epsilon": res["epsilon"],
-                            "seconds": time.time() - t0,
-                            "git_commit": data["git_commit"],
-                        }
-                    )
-                    _save(out, data)
-                    print(
-                        f"tune {method} eps={e} lr={lr}: val auroc {res['metrics']['val']['auroc']:.3f}",
-                        flush=True,
-                    )
-            best_lr = _best_lr(data, method, e)
-            for seed in seeds:
-                key = ("eval", method, e, best_lr, seed)
-                if key in done:
-                    continue
-                t0 = time.time()
-                res = _run(
-                    _config(args.suite, method, eps, best_lr, seed, args.quick, runs_dir), method
-                )
-                data["runs"].append(
-                    {
-                        "phase": "eval",
-                        "method": method,
-                        "eps": e,
-                        "lr": best_lr,
-                        "seed": seed,
-                        "val": _short(res["metrics"]["val"]),
-                        "test": _short(res["metrics"]["test"]),
-                        "epsilon": res["epsilon"],
-                        "noise_multiplier": res.get("noise_multiplier"),
-                        "diagnostics": res.get("diagnostics"),
-                        "seconds": time.time() - t0,
-                        "git_commit": data["git_commit"],
-                    }
-                )
-                _save(out, data)
-                print(
-                    f"eval {method} eps={e} seed={seed}: test acc {res['metrics']['test']['accuracy']:.3f} "
-                    f"auroc {res['metrics']['test']['auroc']:.3f}",
-                    flush=True,
-                )
+                continue  # tuned and evaluated once: it has no epsilon
+            e = None if method == "nonprivate" else eps
+            tune = [_job("tune", method, e, lr, 0) for lr in _grid(lrs, method)]
+            for j in pending(tune, data["runs"], _run_key):
+                _execute(j, eps, args, out, data)
+            best = _best_lr(data, method, e)
+            evals = [_job("eval", method, e, best, s) for s in data["seeds"]]
+            for j in pending(evals, data["runs"], _run_key):
+                _execute(j, eps, args, out, data)
             out.with_suffix(".md").write_text(summarize(data))
     out.with_suffix(".md").write_text(summarize(data))
     print(out.with_suffix(".md").read_text())
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _job(phase: str, method: str, eps: float | None, lr: float | None, seed: int) -> dict:
+    """One point of the grid: a tuning run (seed 0) or an evaluation run."""
+    return {"phase": phase, "method": method, "eps": eps, "lr": lr, "seed": seed}
+
+
+def _run_key(run: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a run of the grid (a run with this key is not run again)."""
+    return (run["phase"], run["method"], run["eps"], run["lr"], run["seed"])
+
+
+def _execute(
+    job: dict[str, Any], eps: float, args: argparse.Namespace, out: Path, data: dict[str, Any]
+) -> None:
+    """Train one run of the grid (``eps``: the target the config names) and record it."""
+    method, lr, seed = job["method"], job["lr"], job["seed"]
+    t0 = time.time()
+    cfg = _config(args.suite, method, eps, lr, seed, args.quick, runs_dir(args.suite))
+    res = _run(cfg, method)
+    run = {
+        **job,
+        "val": _short(res["metrics"]["val"]),
+        "test": _short(res["metrics"]["test"]),
+        "epsilon": res["epsilon"],
+    }
+    if job["phase"] == "eval":
+        run |= {
+            "noise_multiplier": res.get("noise_multiplier"),
+            "diagnostics": res.get("diagnostics"),
+        }
+    record(out, data, {**run, "seconds": time.time() - t0, "git_commit": data["git_commit"]})
+    val, test = res["metrics"]["val"], res["metrics"]["test"]
+    if job["phase"] == "tune":
+        print(f"tune {method} eps={job['eps']} lr={lr}: val auroc {val['auroc']:.3f}", flush=True)
+    else:
+        print(
+            f"eval {method} eps={job['eps']} seed={seed}: test acc {test['accuracy']:.3f} "
+            f"auroc {test['auroc']:.3f}",
+            flush=True,
+        )

@@ -3,8 +3,8 @@
 Run (PneumoniaMNIST, small CNN, the demo config; dp-sgd and dp-kfc at epsilon 1 and 8, the
 real mechanism and, at epsilon 8, one with 10x too little noise)::
 
-    python benchmarks/audit.py --methods dp-sgd,dp-kfc --eps 1,8 --seeds 1,2,3
-    python benchmarks/audit.py --eps 8 --noise-scale 0.1   # RESEARCH ONLY: a broken mechanism
+    python -m benchmarks audit --methods dp-sgd,dp-kfc --eps 1,8 --seeds 1,2,3
+    python -m benchmarks audit --eps 8 --noise-scale 0.1   # RESEARCH ONLY: a broken mechanism
 
 ``--noise-scale s`` (research only, to test the audit) multiplies the noise the audited run
 draws while the accountant still counts the configured noise: the run is NOT differentially
@@ -21,8 +21,6 @@ from the JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 import time
@@ -32,30 +30,28 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from accuracy import _git_commit, _load  # noqa: E402
-
-from dpkfc_med.training.audit import run_audit  # noqa: E402
-from dpkfc_med.training.config import load_config  # noqa: E402
+from benchmarks.harness import (
+    RESULTS,
+    ROOT,
+    floats,
+    git_commit,
+    ints,
+    load_results,
+    record,
+    runs_dir,
+)
+from dpkfc_med.training.audit import run_audit
+from dpkfc_med.training.config import load_config
 
 CONFIG = ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
-OUT = ROOT / "benchmarks" / "results" / "audit_pneumonia_cnn.json"
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+OUT = RESULTS / "audit_pneumonia_cnn.json"
 
 
 def _audit(
-    method: str, eps: float, seed: int, canaries: int | None, scale: float, runs_dir: Path
+    method: str, eps: float, seed: int, canaries: int | None, scale: float, work: Path
 ) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = runs_dir / f"{method}_eps{eps:g}_seed{seed}_noise{scale:g}_{stamp}"
+    run_dir = work / f"{method}_eps{eps:g}_seed{seed}_noise{scale:g}_{stamp}"
     overrides = [
         f"method={method}",
         f"privacy.target_epsilon={eps}",
@@ -174,23 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    runs_dir = Path(os.environ.get("DPKFC_BENCH_RUNS", "/tmp/dpkfc_bench_runs")) / "audit"
-    data = _load(args.out)
+    data = load_results(args.out)
     data["config"] = str(CONFIG.relative_to(ROOT))
     data["environment"] = {"platform": platform.platform(), "torch_threads": args.threads}
-    data["git_commit"] = _git_commit()
+    data["git_commit"] = git_commit()
     done = {
         (r["method"], r["eps"], r["seed"], r.get("noise_scale", 1.0), r.get("test", "Steinke"))
         for r in data["runs"]
     }
-    scales = [float(x) for x in args.noise_scale.split(",")]
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for eps in (float(e) for e in args.eps.split(",")):
+    scales = floats(args.noise_scale)
+    for seed in ints(args.seeds):
+        for eps in floats(args.eps):
             for scale in scales:
                 for method in args.methods.split(","):
                     if (method, eps, seed, scale, "f-DP") in done:
                         continue
-                    _one(args, data, runs_dir, method, eps, seed, scale)
+                    _one(args, data, method, eps, seed, scale)
     args.out.with_suffix(".md").write_text(summarize(data))
     return 0
 
@@ -198,16 +193,14 @@ def main(argv: list[str] | None = None) -> int:
 def _one(
     args: argparse.Namespace,
     data: dict[str, Any],
-    runs_dir: Path,
     method: str,
     eps: float,
     seed: int,
     scale: float,
 ) -> None:
-    entry = _audit(method, eps, seed, args.canaries, scale, runs_dir)
+    entry = _audit(method, eps, seed, args.canaries, scale, runs_dir("audit"))
     entry["git_commit"] = data["git_commit"]
-    data["runs"].append(entry)
-    _save(args.out, data)
+    record(args.out, data, entry)
     args.out.with_suffix(".md").write_text(summarize(data))
     print(
         f"{method} eps={eps:g} seed={seed} noise_scale={scale:g}: lower bound "

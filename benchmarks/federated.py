@@ -1,7 +1,7 @@
 """Federated demo: MSD hippocampus split over 3 Flower sites, each site private (DP-KFC).
 
-    python benchmarks/federated.py                 # 3 sites, 10 rounds x 4 local epochs
-    python benchmarks/federated.py --rounds 5 --local-epochs 8   # the committed run
+    python -m benchmarks federated                 # 3 sites, 10 rounds x 4 local epochs
+    python -m benchmarks federated --rounds 5 --local-epochs 8   # the committed run
 
 Every site trains on every third training case of the shipped hippocampus config's split
 (``data.shard``) with the shipped recipe except the batch (16 expected patients per step: a
@@ -27,22 +27,16 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def result_key(config: Path) -> str:
-    """The segmentation benchmark's key of a shipped config."""
-    return str(config.resolve().relative_to(ROOT))
+from benchmarks.harness import RESULTS, ROOT, display_path, runs_dir, save_results
 
 
 def render(result: dict, out: Path) -> None:
     """Write ``out`` (JSON) and its Markdown, with the pooled shipped run looked up again."""
-    seg = ROOT / "benchmarks/results/segmentation_hippocampus.json"
+    seg = RESULTS / "segmentation_hippocampus.json"
     shipped = json.loads(seg.read_text()).get("shipped", {}) if seg.exists() else {}
     pooled = shipped.get(result["config"])  # the shipped config trained as shipped
     result["pooled_private_test_dice"] = None if pooled is None else pooled["test"]["mean_dice"]
-    out.write_text(json.dumps(result, indent=1, default=str))
+    save_results(out, result)
     if "target_epsilon_per_site" not in result:  # written before the field existed
         cfg = yaml.safe_load((ROOT / result["config"]).read_text())
         result["target_epsilon_per_site"] = cfg["privacy"]["target_epsilon"]
@@ -85,10 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--local-epochs", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--runs-dir", type=Path, default=Path("/tmp/dpkfc_bench_runs/federated"))
-    p.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks/results/federated_hippocampus.json"
-    )
+    p.add_argument("--runs-dir", type=Path, default=runs_dir("federated"))
+    p.add_argument("--out", type=Path, default=RESULTS / "federated_hippocampus.json")
     p.add_argument("--render", action="store_true", help="only rewrite the Markdown of --out")
     args = p.parse_args(argv)
     if args.render:
@@ -104,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = run_federated(cfg, sites=args.sites, rounds=args.rounds, local_epochs=args.local_epochs)
     minutes = (time.time() - t0) / 60
     result = {
-        "config": result_key(args.config),
+        "config": display_path(args.config),  # the segmentation study's key of the config
         "sites": args.sites,
         "rounds": args.rounds,
         "local_epochs": args.local_epochs,

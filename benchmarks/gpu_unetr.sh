@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # UNETR on MSD Task04 hippocampus at epsilon 8 on one GPU: the segmentation benchmark's one
-# tuning protocol (benchmarks/segmentation.py: learning rates x clip norms on seed 0, widened
+# tuning protocol (python -m benchmarks segmentation: learning rates x clip norms on seed 0, widened
 # at an edge, then seeds 1-3 on their test cases) for non-private training, DP-SGD and DP-KFC,
 # on configs/hippocampus_unetr_3d_eps8.yaml.
 #
 #   bash benchmarks/gpu_stage.sh                 # here: wheels + data for a bare GPU machine
-#   bash benchmarks/gpu_unetr.sh [extra benchmarks/segmentation.py options]   # on the GPU
+#   bash benchmarks/gpu_unetr.sh [extra segmentation study options]   # on the GPU
 #
 # Writes benchmarks/results/segmentation_hippocampus_unetr.{json,md,png} after every finished
 # run, so a run cut short by the budget keeps what it finished and the next call resumes it
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 exec timeout --signal=INT --kill-after=20 "${BUDGET_S:-540}" \
-    "$PY" benchmarks/segmentation.py --config configs/hippocampus_unetr_3d_eps8.yaml \
+    "$PY" -m benchmarks segmentation --config configs/hippocampus_unetr_3d_eps8.yaml \
     --epsilons 8 --device cuda --workers "${WORKERS:-6}" \
     --runs-dir "${RUNS_DIR:-/tmp/dpkfc_bench_runs/segmentation_unetr}" \
     --out benchmarks/results/segmentation_hippocampus_unetr.json "$@"

@@ -2,9 +2,9 @@
 
 Run::
 
-    python benchmarks/report_screenshot.py                      # toy run, then the screenshot
-    python benchmarks/report_screenshot.py --run-dir runs/NAME  # an existing run's report
-    python benchmarks/report_screenshot.py --run-dir runs/NAME --rerender --markdown
+    python -m benchmarks report-screenshot                      # toy run, then the screenshot
+    python -m benchmarks report-screenshot --run-dir runs/NAME  # an existing run's report
+    python -m benchmarks report-screenshot --run-dir runs/NAME --rerender --markdown
 
 The toy run is one epoch of DP-SGD on 100 PneumoniaMNIST images (``--data`` overrides the
 file), written to a temporary folder. The page is captured at ``--width`` pixels, full length
@@ -32,10 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import RESULTS, ROOT
 
-OUT = ROOT / "benchmarks" / "results" / "report_screenshot.png"
+OUT = RESULTS / "report_screenshot.png"
 DATA = ROOT.parent / "shared" / "data" / "medmnist" / "pneumoniamnist.npz"
 CHROMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 INSTALL = (
@@ -66,7 +65,7 @@ def find_browser() -> tuple[str, str] | None:
 def toy_run(out_dir: Path, data: Path) -> Path:
     """Train the toy run and return its run directory (it holds privacy_report.html)."""
     from dpkfc_med.training.config import config_from_dict
-    from dpkfc_med.training.loop import train
+    from dpkfc_med.training.run import train
 
     cfg = config_from_dict(
         {

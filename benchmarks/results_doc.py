@@ -1,11 +1,11 @@
 """Write docs/results.md from the committed benchmark results (benchmarks/results/*.md).
 
-    python benchmarks/results_doc.py            # rewrite docs/results.md
-    python benchmarks/results_doc.py --check    # exit 1 when docs/results.md is stale
+    python -m benchmarks results-doc            # rewrite docs/results.md
+    python -m benchmarks results-doc --check    # exit 1 when docs/results.md is stale
 
-Every top-level results Markdown goes under a heading of its group (accuracy, segmentation,
-audit, cost) with a one-line description and links to its JSON and figure; its own headings
-are demoted below that heading, its text is copied unchanged. A new results file is picked
+Every top-level results Markdown (the index README.md aside) goes under a heading of its
+group (accuracy, segmentation, audit, cost) with a one-line description and links to its JSON
+and figure; its own headings are demoted below that heading, its text is copied unchanged. A new results file is picked
 up without changing this script (its description is then its first heading); add a line to
 DESCRIPTIONS to describe it better. ``tests/test_docs.py`` checks that the page is fresh.
 """
@@ -17,8 +17,8 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.harness import RESULTS, ROOT
+
 DOC = ROOT / "docs" / "results.md"
 LINK_PREFIX = "../benchmarks/results/"  # results as seen from docs/
 
@@ -60,8 +60,9 @@ INTRO = """\
 This page collects the committed results of the benchmark scripts (commands:
 [benchmarks/README.md](../benchmarks/README.md)); every table below is copied from
 `benchmarks/results/*.md`, each generated from the JSON next to it. Regenerate the page with
-`python benchmarks/results_doc.py`. Superseded results are kept in `benchmarks/results/history/`
-and profiles in `benchmarks/results/profiles/`; neither is shown here.
+`python -m benchmarks results-doc`. Earlier runs that a page cites are kept in
+`benchmarks/results/history/` and profiles in `benchmarks/results/profiles/` (both indexed in
+[benchmarks/results/README.md](../benchmarks/results/README.md)); neither is shown here.
 
 ## Protocol
 
@@ -140,7 +141,7 @@ def _order(stem: str) -> tuple[int, str]:
 
 def render(results: Path = RESULTS) -> str:
     """The whole page (Markdown) from the results folder."""
-    files = sorted(results.glob("*.md"))
+    files = sorted(f for f in results.glob("*.md") if f.name != "README.md")  # the index
     out = [INTRO]
     placed: set[Path] = set()
     groups = [*GROUPS, ("Other results", "")]
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != page:
-            print(f"{args.out} is stale: run python benchmarks/results_doc.py", file=sys.stderr)
+            print(f"{args.out} is stale: run python -m benchmarks results-doc", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -34,15 +33,9 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def _load_results_doc():
-    path = ROOT / "benchmarks" / "results_doc.py"
-    spec = importlib.util.spec_from_file_location("dpkfc_benchmarks_results_doc", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
+    from benchmarks import results_doc
+
+    return results_doc
 
 
 def test_readme_python_blocks_run_as_written(tmp_path):
@@ -108,7 +101,7 @@ def test_configuration_reference_lists_every_field():
 def test_results_page_is_fresh():
     module = _load_results_doc()
     assert (DOCS / "results.md").read_text() == module.render(), (
-        "docs/results.md is stale: run python benchmarks/results_doc.py"
+        "docs/results.md is stale: run python -m benchmarks results-doc"
     )
 
 
@@ -123,10 +116,19 @@ def test_results_page_holds_every_results_file(tmp_path):
     assert "![accuracy_new_suite](../benchmarks/results/accuracy_new_suite.png)" in page
     assert "## Other results" in page and "# Something else" in page
     for results_md in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
+        if results_md.name == "README.md":  # the index of the results folder
+            continue
         assert f"### {results_md.stem}\n" in (DOCS / "results.md").read_text()
 
 
-@pytest.mark.parametrize("doc", _user_docs() + [PACKAGE_README], ids=lambda p: p.name)
+BENCHMARK_READMES = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks/results/README.md"]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [*_user_docs(), PACKAGE_README, *BENCHMARK_READMES],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_relative_links_point_at_existing_files(doc):
     links = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", _without_code(doc.read_text()))
     broken = []

@@ -1,24 +1,10 @@
-"""benchmarks/accuracy.py: learning-rate choice and the summary table (no training runs)."""
+"""benchmarks.accuracy: learning-rate choice and the summary table (no training runs)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-import pytest
-
-ACCURACY_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy.py"
-
-
-@pytest.fixture(scope="module")
-def acc():
-    spec = importlib.util.spec_from_file_location("dpkfc_benchmarks_accuracy", ACCURACY_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+from benchmarks import accuracy as acc
 
 
 def _run(phase, method, lr, seed, val_auroc=0.9, test_acc=0.8):
@@ -35,7 +21,7 @@ def _run(phase, method, lr, seed, val_auroc=0.9, test_acc=0.8):
     }
 
 
-def test_widened_grid_never_mixes_learning_rates(acc):
+def test_widened_grid_never_mixes_learning_rates():
     runs = [
         _run("tune", "dp-sgd", 0.05, 0, val_auroc=0.90),
         _run("tune", "dp-sgd", 0.2, 0, val_auroc=0.95),
@@ -53,7 +39,7 @@ def test_widened_grid_never_mixes_learning_rates(acc):
     assert acc._best_lr(data, "dp-sgd", 1.0) == 0.2
 
 
-def test_adam_variants_use_their_own_grid(acc):
+def test_adam_variants_use_their_own_grid():
     data = {
         "runs": [
             _run("tune", "dp-kfc-adambc", 0.01, 0, val_auroc=0.96),

@@ -1,24 +1,13 @@
-"""benchmarks/segmentation.py: per-epsilon learning-rate choice, gap fractions, summary, plot."""
+"""The segmentation benchmark: per-epsilon learning-rate choice, gap fractions, summary, plot."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SEG_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "segmentation.py"
-
-
-@pytest.fixture(scope="module")
-def seg():
-    spec = importlib.util.spec_from_file_location("dpkfc_benchmarks_segmentation", SEG_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+from benchmarks import segmentation as seg
+from benchmarks import segmentation_select as sel
+from benchmarks import segmentation_summary as summary
+from benchmarks.harness import ROOT, display_path
 
 
 def _run(phase, method, eps, lr, seed, val=0.5, test=0.5, study="main", lever="shipped"):
@@ -84,61 +73,62 @@ def _data():
     }
 
 
-def test_learning_rate_is_chosen_per_method_and_epsilon_on_validation(seg):
+def test_learning_rate_is_chosen_per_method_and_epsilon_on_validation():
     data = _data()
-    assert seg._best_lr(data, "nonprivate", None) == 0.03
-    assert seg._best_lr(data, "dp-sgd", 8.0) == 0.01
-    assert seg._best_lr(data, "dp-kfc", 8.0) == 0.03  # the lever run (0.72) is not a tuning run
-    assert seg._best_lr(data, "dp-kfc", 3.0) is None
+    assert sel.best_lr(data, "nonprivate", None) == 0.03
+    assert sel.best_lr(data, "dp-sgd", 8.0) == 0.01
+    assert sel.best_lr(data, "dp-kfc", 8.0) == 0.03  # the lever run (0.72) is not a tuning run
+    assert sel.best_lr(data, "dp-kfc", 3.0) is None
 
 
-def test_gap_fraction_is_the_share_of_the_nonprivate_minus_dpsgd_gap(seg):
-    gaps = seg.gap_fractions(_data())
+def test_gap_fraction_is_the_share_of_the_nonprivate_minus_dpsgd_gap():
+    gaps = sel.gap_fractions(_data())
     top, floor, kfc = 0.85, 0.32, 0.71  # means over the two evaluation seeds
     assert gaps[8.0]["dp-kfc"] == pytest.approx((kfc - floor) / (top - floor))
     assert gaps[8.0]["dp-sgd"] == pytest.approx(0.0)
 
 
-def test_summary_and_plot(seg, tmp_path):
+def test_summary_and_plot(tmp_path):
     data = _data()
-    text = seg.summarize(data)
+    text = summary.summarize(data)
     assert "| dp-kfc | 8 | 0.03 | x1 | 0.710 +- 0.014 |" in text
     assert f"| {100 * (0.71 - 0.32) / (0.85 - 0.32):.0f} % |" in text
     assert "| weight average (decay 0.9) | - | 0.720 |" in text
     assert "| shipped | 0.400 | 0.700 |" in text
-    seg.plot(data, tmp_path / "fig.png")
+    summary.plot(data, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_clip_norm_is_tuned_with_the_learning_rate_for_every_method(seg):
+def test_clip_norm_is_tuned_with_the_learning_rate_for_every_method():
     data = _data()
     data["clip_scales"] = {"8": [0.25, 1.0]}
     data["config_contents"] = {"privacy": {"max_grad_norm": 0.5}}
     tune = _run("tune", "dp-sgd", 8.0, 0.03, 0, val=0.45)
     data["runs"].append({**tune, "clip": 0.25})  # beats (0.01, x1) at 0.40
     assert (
-        seg._best(data, "dp-sgd", 8.0)["lr"] == 0.03
-        and seg._clip(seg._best(data, "dp-sgd", 8.0)) == 0.25
+        sel.best_run(data, "dp-sgd", 8.0)["lr"] == 0.03
+        and sel.clip_scale(sel.best_run(data, "dp-sgd", 8.0)) == 0.25
     )
-    assert seg._best_lr(data, "dp-sgd", 8.0, clip=1.0) == 0.01  # the lever study's choice
-    assert seg._eval_runs(data, "dp-sgd", 8.0) == []  # no evaluation at (0.03, x0.25) yet
+    assert sel.best_lr(data, "dp-sgd", 8.0, clip=1.0) == 0.01  # the lever study's choice
+    assert sel.eval_runs(data, "dp-sgd", 8.0) == []  # no evaluation at (0.03, x0.25) yet
     evals = [{**_run("eval", "dp-sgd", 8.0, 0.03, s, test=0.5), "clip": 0.25} for s in (1, 2)]
     data["runs"] += evals
-    assert seg._eval_runs(data, "dp-sgd", 8.0) == evals  # not the x1 runs at lr 0.03
+    assert sel.eval_runs(data, "dp-sgd", 8.0) == evals  # not the x1 runs at lr 0.03
     key = {"lever": "shipped", "method": "dp-sgd", "lr": 0.03, "seed": 1, "eps": 8.0, "clip": 0.25}
     cfg = seg._config_for({"privacy": {"max_grad_norm": 0.5}, "training": {}}, key)
     assert cfg["privacy"]["max_grad_norm"] == 0.125
     assert seg._run_name(key) != seg._run_name({**key, "clip": 1.0})
-    assert seg._same(key, {**key, "clip": 0.25}) and not seg._same(key, {**key, "clip": 1.0})
-    assert seg._same({**key, "clip": 1.0}, {k: v for k, v in key.items() if k != "clip"})
-    text = seg.summarize(data)
+    run_key = seg._run_key  # what the resume matches recorded runs on
+    assert run_key(key) == run_key({**key, "clip": 0.25}) != run_key({**key, "clip": 1.0})
+    assert run_key({**key, "clip": 1.0}) == run_key({k: v for k, v in key.items() if k != "clip"})
+    text = summary.summarize(data)
     assert "| dp-sgd | 8 | 0.03 | 0.125 | 0.500 +- 0.000 |" in text
     assert "| dp-sgd | 8 | 0.03 | 0.125 | 0.450 |" in text  # the tuning table names the clip norm
     data["notes"] = ["dp-kfc ran the x1 clip norm only"]
-    assert "- dp-kfc ran the x1 clip norm only" in seg.summarize(data)
+    assert "- dp-kfc ran the x1 clip norm only" in summary.summarize(data)
 
 
-def test_lever_configs_change_one_thing(seg):
+def test_lever_configs_change_one_thing():
     base = {"privacy": {"max_grad_norm": 0.5, "target_epsilon": 8.0}, "training": {"lr": 1.0}}
     key = {"lever": "clip norm x0.25", "method": "dp-sgd", "lr": 0.01, "seed": 2, "eps": 3.0}
     cfg = seg._config_for(base, key)
@@ -148,11 +138,11 @@ def test_lever_configs_change_one_thing(seg):
     assert seg._run_name(key) == seg._run_name(dict(key))  # stable across processes
 
 
-def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(seg, tmp_path):
+def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(tmp_path):
     import torch
     import yaml
 
-    config = seg.ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
+    config = ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
     tiny = yaml.safe_load(config.read_text())
     tiny["data"].update(max_train=5, max_eval=2, patch_size=[16, 16, 16])
     tiny["training"].update(epochs=1, batch_size=3)
@@ -172,26 +162,26 @@ def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(seg, tmp_path):
     assert 0.0 <= unseen["mean_dice"] <= 1.0
     assert set(unseen["hd95_per_class"]) == {"class_1", "class_2"}  # a plain folder: unnamed
     assert 0 < rec["epsilon_spent"] <= 8.0
-    text = seg.summarize({"runs": [], "shipped": {rec["config"]: rec}})
+    text = summary.summarize({"runs": [], "shipped": {rec["config"]: rec}})
     assert "Dice on the unseen-case folder" in text and f"{unseen['mean_dice']:.3f} (2)" in text
 
 
-def test_grid_widens_beyond_an_edge_for_every_method(seg):
+def test_grid_widens_beyond_an_edge_for_every_method():
     data = _data()  # dp-kfc's best at 8 is 0.03, the top of the grid
-    assert seg._widen(data, 8.0, ["dp-sgd", "dp-kfc"]) == 0.1
-    assert seg._widen(data, None, ["nonprivate"]) == 0.1  # 0.03 best there too
+    assert sel.widen(data, 8.0, ["dp-sgd", "dp-kfc"]) == 0.1
+    assert sel.widen(data, None, ["nonprivate"]) == 0.1  # 0.03 best there too
     data["widened"] = {"8": [0.1]}
-    assert seg._grid(data, 8.0) == [0.01, 0.03, 0.1] and seg._grid(data, 3.0) == [0.01, 0.03]
+    assert sel.lr_grid(data, 8.0) == [0.01, 0.03, 0.1] and sel.lr_grid(data, 3.0) == [0.01, 0.03]
     data["runs"].append(_run("tune", "dp-kfc", 8.0, 0.1, 0, val=0.65))
-    assert seg._best_lr(data, "dp-kfc", 8.0) == 0.03  # interior now
-    assert seg._widen(data, 8.0, ["dp-kfc"]) is None
-    assert seg._widen(data, 8.0, ["dp-sgd", "dp-kfc"]) == 0.003  # dp-sgd's best: the lower edge
+    assert sel.best_lr(data, "dp-kfc", 8.0) == 0.03  # interior now
+    assert sel.widen(data, 8.0, ["dp-kfc"]) is None
+    assert sel.widen(data, 8.0, ["dp-sgd", "dp-kfc"]) == 0.003  # dp-sgd's best: the lower edge
     data["runs"].append(_run("tune", "dp-sgd", 8.0, 0.1, 0, val=0.1))
     data["runs"][2]["val"]["mean_dice"] = 0.2  # dp-sgd's 0.01 run: its best is now 0.03
-    assert seg._best_lr(data, "dp-sgd", 8.0) == 0.03
+    assert sel.best_lr(data, "dp-sgd", 8.0) == 0.03
 
 
-def test_preconditioner_families_run_the_same_protocol(seg):
+def test_preconditioner_families_run_the_same_protocol():
     """A family is DP-KFC with its config field set, tuned, scored and tabled like DP-KFC."""
     base = {"method": "dp-kfc", "privacy": {"target_epsilon": 8.0}, "training": {"lr": 1.0}}
     key = {"lever": "shipped", "method": "dp-kfc-shampoo", "lr": 0.03, "seed": 1, "eps": 8.0}
@@ -206,30 +196,30 @@ def test_preconditioner_families_run_the_same_protocol(seg):
         _run("eval", "dp-kfc-shampoo", 8.0, 0.01, 2, test=0.66),
     ]
     # non-private 0.85, DP-SGD 0.32: (0.65 - 0.32) / (0.85 - 0.32)
-    assert seg.gap_fractions(data)[8.0]["dp-kfc-shampoo"] == pytest.approx(0.33 / 0.53)
-    table = "\n".join(seg.compact_table(data))
+    assert sel.gap_fractions(data)[8.0]["dp-kfc-shampoo"] == pytest.approx(0.33 / 0.53)
+    table = "\n".join(summary.compact_table(data))
     assert "| dp-kfc-shampoo | 0.650" in table
     assert "dp-kfc-diagonal" not in table  # no runs: no row
 
 
-def test_levers_evaluated_on_seeds_get_their_own_table_with_the_gap(seg):
+def test_levers_evaluated_on_seeds_get_their_own_table_with_the_gap():
     data = _data()
     lever = "data-free pretraining 1000 steps instead of 200"
     data["runs"] += [
         _run("eval", "dp-sgd", 8.0, 0.01, s, test=t, study="levers", lever=lever)
         for s, t in ((1, 0.50), (2, 0.60))
     ]
-    text = seg.summarize(data)
+    text = summary.summarize(data)
     top, floor = 0.85, 0.32  # the main study's non-private and DP-SGD test means
     gap = f"{100 * (0.55 - floor) / (top - floor):.0f} %"
     assert f"| 8 | {lever} | dp-sgd | 0.01 | x1 | 0.550 +- 0.071 | {gap} | 1,2 |" in text
     # the evaluation runs stay out of the seed-0 lever table and the main study's rows
     assert f"| {lever} | - | - |" not in text
-    assert seg._eval_runs(data, "dp-sgd", 8.0)[0]["study"] == "main"
-    assert seg.gap_fractions(data)[8.0]["dp-sgd"] == pytest.approx(0.0)
+    assert sel.eval_runs(data, "dp-sgd", 8.0)[0]["study"] == "main"
+    assert sel.gap_fractions(data)[8.0]["dp-sgd"] == pytest.approx(0.0)
 
 
-def test_best_recipe_is_one_rule_for_every_method_and_its_gap_uses_the_best_dpsgd(seg):
+def test_best_recipe_is_one_rule_for_every_method_and_its_gap_uses_the_best_dpsgd():
     data = _data()
     lever = "weight average (decay 0.9)"
     # dp-kfc: the lever (val 0.72) beats its main point (0.70); dp-sgd: a lever that ties its
@@ -237,27 +227,27 @@ def test_best_recipe_is_one_rule_for_every_method_and_its_gap_uses_the_best_dpsg
     data["runs"].append(
         _run("tune", "dp-sgd", 8.0, 0.01, 0, val=0.4001, study="levers", lever="cosine")
     )
-    best = {m: seg._best_recipe(data, m, 8.0) for m in ("dp-sgd", "dp-kfc")}
+    best = {m: sel.best_recipe(data, m, 8.0) for m in ("dp-sgd", "dp-kfc")}
     assert best["dp-kfc"]["lever"] == lever and best["dp-sgd"].get("study") == "main"
-    rows = {r["method"]: r for r in seg.best_recipe_rows(data)}
+    rows = {r["method"]: r for r in sel.best_recipe_rows(data)}
     assert rows["dp-kfc"]["dice"] is None  # the lever is not evaluated yet
     for seed, test in ((1, 0.75), (2, 0.77)):
         data["runs"].append(
             _run("eval", "dp-kfc", 8.0, 0.03, seed, test=test, study="levers", lever=lever)
         )
-    rows = {r["method"]: r for r in seg.best_recipe_rows(data)}
+    rows = {r["method"]: r for r in sel.best_recipe_rows(data)}
     assert rows["dp-kfc"]["dice"][0] == pytest.approx(0.76)
     assert rows["dp-kfc"]["gap"] == pytest.approx((0.76 - 0.32) / (0.85 - 0.32))
-    text = seg.summarize(data)
+    text = summary.summarize(data)
     assert f"| 8 | dp-kfc | {lever} | 0.03 | x1 | 0.720 | 0.760 +- 0.014 | 83 % | 1,2 |" in text
     sgd = "| 8 | dp-sgd | main study point | 0.01 | x1 | 0.400 | 0.320 +- 0.028 | - | 1,2 |"
     assert sgd in text
 
 
-def test_device_option_reaches_every_run_config(seg, tmp_path, monkeypatch):
+def test_device_option_reaches_every_run_config(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(seg, "_run_all", lambda jobs, base, *rest, **kw: seen.append((jobs, base)))
-    config = seg.ROOT / "configs" / "hippocampus_unetr_3d_eps8.yaml"
+    config = ROOT / "configs" / "hippocampus_unetr_3d_eps8.yaml"
     out = tmp_path / "out.json"
     argv = ["--config", str(config), "--epsilons", "8", "--methods", "dp-sgd,dp-kfc"]
     seg.main([*argv, "--device", "cuda", "--out", str(out), "--runs-dir", str(tmp_path)])
@@ -272,29 +262,29 @@ def test_device_option_reaches_every_run_config(seg, tmp_path, monkeypatch):
     assert all("device" not in base["training"] for _, base in seen)
 
 
-def test_clip_norm_cells_include_the_levers_own_clip_scale(seg):
+def test_clip_norm_cells_include_the_levers_own_clip_scale():
     run = _run("tune", "dp-kfc", 3.0, 0.03, 0, study="levers", lever="clip norm x0.25")
-    assert seg._clip_cell(0.5, run) == "0.125"
-    assert seg._clip_cell(0.5, {**run, "clip": 0.25}) == "0.03125"  # both scales apply
-    assert seg._clip_cell(0.5, {**run, "lever": "shipped"}) == "0.5"
-    assert seg._clip_cell(0.5, {**run, "eps": None}) == "-"
+    assert summary.clip_cell(0.5, run) == "0.125"
+    assert summary.clip_cell(0.5, {**run, "clip": 0.25}) == "0.03125"  # both scales apply
+    assert summary.clip_cell(0.5, {**run, "lever": "shipped"}) == "0.5"
+    assert summary.clip_cell(0.5, {**run, "eps": None}) == "-"
 
 
 def test_shipped_study_reruns_a_config_that_changed_and_keeps_the_earlier_run(
-    seg, tmp_path, monkeypatch
+    tmp_path, monkeypatch
 ):
     import json
 
-    config = seg.ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
-    name = seg._display_path(config)
+    config = ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
+    name = display_path(config)
     calls = []
 
     def fake_job(path, runs_dir, threads=2):
         calls.append(path)
         unseen = {"mean_dice": 0.7, "n": 2, "not_dp": False, "hd95_per_class": {}}
         return {
-            "config": seg._display_path(path),
-            "config_sha256": seg._sha256(path),
+            "config": display_path(path),
+            "config_sha256": seg.sha256_file(path),
             "epsilon_spent": 8.0,
             "minutes": 1.0,
             "test": {"mean_dice": 0.7},
@@ -310,7 +300,7 @@ def test_shipped_study_reruns_a_config_that_changed_and_keeps_the_earlier_run(
     seg.main(argv)
     data = json.loads(out.read_text())
     assert calls == [config] and data["shipped_history"] == [stale]
-    assert data["shipped"][name]["config_sha256"] == seg._sha256(config)
+    assert data["shipped"][name]["config_sha256"] == seg.sha256_file(config)
     seg.main(argv)  # unchanged since: not trained again
     assert calls == [config]
     assert "(earlier version)" in out.with_suffix(".md").read_text()

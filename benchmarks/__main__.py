@@ -1,0 +1,53 @@
+"""``python -m benchmarks STUDY [options]``: run one study (``--help`` after STUDY for its options).
+
+Run from the repository root, so that this folder (not another installed ``benchmarks``
+package, e.g. Opacus') is the one imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# study -> (module, one line on what it measures)
+STUDIES: dict[str, tuple[str, str]] = {
+    "accuracy": ("benchmarks.accuracy", "test accuracy and AUROC against epsilon, every method"),
+    "segmentation": ("benchmarks.segmentation", "3D segmentation Dice, levers, shipped configs"),
+    "federated": ("benchmarks.federated", "hippocampus over Flower sites, each site private"),
+    "audit": ("benchmarks.audit", "one-run empirical lower bound on epsilon"),
+    "tuning": ("benchmarks.tuning", "accounted tuning against unaccounted and no tuning"),
+    "cost": ("benchmarks.cost", "step time, peak memory and refresh share against Opacus"),
+    "report-screenshot": ("benchmarks.report_screenshot", "the HTML privacy report as a PNG"),
+    "results-doc": ("benchmarks.results_doc", "write docs/results.md from the results"),
+}
+
+
+def usage() -> str:
+    """The list of studies."""
+    width = max(map(len, STUDIES))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in STUDIES.items()]
+    return "usage: python -m benchmarks STUDY [options]\n\nstudies:\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the study's ``main(argv)``; returns its exit status."""
+    from dpkfc_med.utils import did_you_mean
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    study, rest = args[0], args[1:]
+    if study not in STUDIES:
+        print(
+            f"python -m benchmarks: unknown study {study!r}{did_you_mean(study, list(STUDIES))}\n\n"
+            + usage(),
+            file=sys.stderr,
+        )
+        return 2
+    module = importlib.import_module(STUDIES[study][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
