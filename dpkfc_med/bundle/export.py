@@ -12,6 +12,11 @@ Only the shareable part of the run directory is exported; nothing under
 ``private_not_for_release/`` (un-noised statistics, case ids, overlays) and neither the
 checkpoint nor the ledger's working files leave the run.
 
+``RUN_DIR`` may also be the folder of an accounted tuning (``dpkfc-med tune --out``): the
+bundle then holds the best trial's model, ``docs/tuning_report.*`` instead of the run's privacy
+report, and a privacy block whose epsilon and words are the whole tuning's
+(:mod:`dpkfc_med.bundle.tuned`).
+
 Refused, with every problem named at once: a run that is not complete (``run.json`` status,
 no ``model.pt``), a private run without its ledger, and a run whose ledger epsilon exceeds its
 target. A non-private run is exported, but its metadata and README say ``NO PRIVACY
@@ -38,6 +43,7 @@ from dpkfc_med.bundle.metadata import (
     sha256_file,
 )
 from dpkfc_med.bundle.network import network_definition
+from dpkfc_med.bundle.tuned import TUNING_REPORT_FILES, check_tuning, is_tuning, tuning_dp_block
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.writer import REPORT_FILES
@@ -128,7 +134,8 @@ def export_bundle(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a self-contained MONAI inference bundle of a finished run.
 
     Args:
-        run_dir: A complete run directory (``dpkfc-med train``).
+        run_dir: A complete run directory (``dpkfc-med train``), or the folder of a finished
+            accounted tuning (``dpkfc-med tune``), whose best trial's model is exported.
         out_dir: The bundle folder to create (must not exist, or be empty).
 
     Returns:
@@ -141,17 +148,25 @@ def export_bundle(run_dir: str | Path, out_dir: str | Path) -> Path:
     Privacy guarantee:
         The bundle holds the released model and the shareable report only, i.e. what the
         run's (epsilon, delta) guarantee covers; the epsilon in its metadata is recomputed from
-        the ledger.
+        the ledger (for a tuning: the whole tuning's, recomputed from its plan, with the
+        mechanism in words; no other trial, score or the number of trials is shipped).
     """
     from dpkfc_med.training.config import config_from_dict
 
     run, out = Path(run_dir), Path(out_dir)
-    report, epsilons = _check_run(run)
+    tuned = check_tuning(run) if is_tuning(run) else None
+    if tuned is None:
+        report, epsilons = _check_run(run)
+        raw = yaml.safe_load((run / CONFIG).read_text())
+        shipped = list(REPORT_FILES.values())
+    else:
+        report, epsilons, raw = tuned.report, None, tuned.config
+        shipped = list(TUNING_REPORT_FILES)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleExportError(
             [f"{out}: exists and is not empty; choose a new bundle folder or remove it"], run
         )
-    cfg = config_from_dict(yaml.safe_load((run / CONFIG).read_text()), str(run / CONFIG))
+    cfg = config_from_dict(raw, str((run if tuned is None else tuned.trial_dir) / CONFIG))
     saved = torch.load(run / MODEL, map_location="cpu", weights_only=False)
     task, state = saved["task"], saved["model"]
     net = network_definition(cfg.to_dict()["model"], task, state_dict=state)
@@ -160,21 +175,29 @@ def export_bundle(run_dir: str | Path, out_dir: str | Path) -> Path:
     torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, buf)
     atomic_write_bytes(out / "models" / "model.pt", buf.getvalue())
     docs = out / "docs"
-    for rel in REPORT_FILES.values():  # the shareable report only; never PRIVATE_DIR
+    for rel in shipped:  # the shareable report only; never PRIVATE_DIR
         src = run / rel
         if src.is_file() and PRIVATE_DIR not in src.parts:
             (docs / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, docs / rel)
-    report_sha = sha256_file(docs / REPORT_FILES["json"])
-    dp = dp_block(report, epsilon_spent=epsilons, report_sha256=report_sha)
+    report_sha = sha256_file(docs / shipped[0])
+    if tuned is None:
+        dp = dp_block(report, epsilon_spent=epsilons, report_sha256=report_sha)
+        source = f"run {report['run']['name']}"
+        what = "Trained model of a finished dpkfc-med run."
+    else:
+        dp = tuning_dp_block(tuned, report_sha256=report_sha)
+        source = f"the accounted tuning of {tuned.record['config'].get('name', 'a run')}"
+        words = dp["tuning"]["in_words"]
+        what = f"The released model of an {words[0].lower()}{words[1:]}"
     meta = bundle_metadata(
         cfg,
         task,
         dp=dp,
         bundle_version="1.0.0",
-        changelog=f"exported from run {report['run']['name']} by dpkfc-med bundle export",
+        changelog=f"exported from {source} by dpkfc-med bundle export",
         needs_dpkfc=not net.monai_only,
-        what="Trained model of a finished dpkfc-med run.",
+        what=what,
     )
     meta["network_definition"] = net.note
     missing = metadata_problems(meta)
@@ -213,9 +236,20 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
             f"{dp['max_grad_norm']:g}; {dp['steps']} steps",
             *[f"- WARNING: {w}" for w in dp["headline_warnings"]],
         ]
+    tuning = dp.get("tuning")
+    if tuning:
+        released = tuning["released"] or {}
+        values = ", ".join(f"{k}={v}" for k, v in (released.get("params") or {}).items())
+        lines += [
+            f"- tuning: {tuning['in_words']} The steps, rate and noise above are every trial's.",
+            f"- released hyperparameters: {values or 'the base config'} (noisy validation "
+            f"score {released.get('noisy_validation_score', float('nan')):.3f}); grid: "
+            + "; ".join(f"{k} in {v}" for k, v in tuning["grid"].items()),
+        ]
+    shipped = Path(dp["privacy_report"]["file"])
     lines += [
-        f"- full report: [privacy_report.md](privacy_report.md) "
-        f"(SHA-256 of privacy_report.json: `{dp['privacy_report']['sha256']}`)",
+        f"- full report: [{shipped.stem}.md]({shipped.stem}.md) "
+        f"(SHA-256 of {shipped.name}: `{dp['privacy_report']['sha256']}`)",
         "",
         "## Run it with MONAI",
         "",
@@ -232,7 +266,7 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
         "",
         (
             "Writes one label map `PRED/{name}_seg.nii.gz` per input volume, with the input's "
-            "affine."
+            "affine (a 2D network: per 2-D image, `PRED/{name}_seg.png` for PNG / JPEG input)."
             if seg
             else "Writes `PRED/{split}_probabilities.csv`: one row per image of the split, "
             "`index` then one probability column per class."

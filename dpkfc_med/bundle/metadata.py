@@ -9,8 +9,9 @@ the whole schema.
 The ``differential_privacy`` block states the guarantee of the released weights: mechanism,
 method, accountant, target and spent epsilon at delta (per accountant, from the run's ledger),
 unit of privacy, sampler and rate, noise multiplier, clip norm, steps, and the SHA-256 of the
-privacy report shipped in ``docs/``. A non-private run says ``NO PRIVACY GUARANTEE`` in its
-``task``, ``description`` and privacy block.
+privacy report shipped in ``docs/``; the released model of an accounted tuning adds a
+``tuning`` entry (:mod:`dpkfc_med.bundle.tuned`). A non-private run says
+``NO PRIVACY GUARANTEE`` in its ``task``, ``description`` and privacy block.
 """
 
 from __future__ import annotations
@@ -345,6 +346,8 @@ def bundle_metadata(
     modality = getattr(cfg.data, "modality", None) or NOT_STATED
     source = getattr(cfg.data, "source", None) or NOT_STATED
     private = bool(dp.get("private"))
+    report_md = str((dp.get("privacy_report") or {}).get("file") or "docs/privacy_report.json")
+    report_md = report_md.removesuffix(".json") + ".md"
     replayable = private and not dp.get("valid_dp_release", True)
     loud = "" if private else f"{NO_GUARANTEE} (non-private training). "
     if replayable:
@@ -360,10 +363,15 @@ def bundle_metadata(
             f"(epsilon {dp['epsilon_target']:g} target, delta {delta_words}) "
             f"differential privacy per {dp['unit_of_privacy']}, method {dp['method']}"
         )
+        if dp.get("tuning"):
+            eps_words += (
+                f", covering its hyperparameter tuning (expected "
+                f"{dp['tuning']['expected_trials']:.3g} trials) and the selection"
+            )
     else:
         eps_words = "no differential privacy"
     kind = (
-        f"3D segmentation of {', '.join(names[1:])}"
+        f"{task['spatial_dims']}D segmentation of {', '.join(names[1:])}"
         if seg
         else f"{task['num_classes']}-class {task['spatial_dims']}D classification"
     )
@@ -385,7 +393,7 @@ def bundle_metadata(
             f"{loud}{what} Network {cfg.model.name} for {cfg.data.task} (modality: "
             f"{modality}; data: {source}), trained by dpkfc-med with {eps_words}. The privacy "
             "guarantee, its unit and what it does not cover are in "
-            "`differential_privacy` and docs/privacy_report.md."
+            f"`differential_privacy` and {report_md}."
         ),
         "authors": "dpkfc-med (differentially private training of MONAI models)",
         "copyright": "Copyright (c) the dpkfc-med authors; the training data is the data "

@@ -305,7 +305,12 @@ def _markdown(r: Mapping[str, Any]) -> str:
         "# Tuning report",
         "",
         f"**Epsilon {format_epsilon(r['epsilon'])} at delta {r['delta']:g}** for the whole "
-        f"tuning (target {format_epsilon(r['target_epsilon'])}; {r['accountant']}).",
+        f"tuning (target {format_epsilon(r['target_epsilon'])}; {r['accountant']}): the best of "
+        f"a random number of private trials ({r['trials_distribution']}; expected "
+        f"{r['expected_trials']:.3g} trials), one trial alone epsilon "
+        f"{format_epsilon(t['epsilon_one_trial'])}; the total covers the number of trials, "
+        "every trial's training and noisy score, the selection of the best trial and the "
+        "released model.",
         "",
         r["guarantee"],
         "",

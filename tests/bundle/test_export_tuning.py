@@ -1,0 +1,122 @@
+"""``dpkfc-med bundle export`` of an accounted tuning: the best trial, the tuning's guarantee."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpkfc_med.bundle import export_bundle
+from dpkfc_med.bundle.export import BundleExportError
+from dpkfc_med.bundle.metadata import metadata_problems
+from dpkfc_med.cli import main
+from dpkfc_med.privacy.selection import TrialCount
+from dpkfc_med.training.config import load_config
+from dpkfc_med.training.tune import TUNING_LEDGER, run_tuning
+from tests.training.test_cli_classification import _config
+
+
+@pytest.fixture(scope="module")
+def tuning(tmp_path_factory) -> tuple[Path, dict]:
+    """A finished tuning of three one-epoch DP-SGD trials on PneumoniaMNIST (seconds)."""
+    tmp = tmp_path_factory.mktemp("tuning")
+    cfg = load_config(_config(tmp, method="dp-sgd", training={"epochs": 1}))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(TrialCount, "sample", lambda self, rng=None: 3)  # K differs from E[K] = 2
+    try:
+        record = run_tuning(
+            cfg,
+            target_epsilon=4.0,
+            grid={"training.lr": ["0.05", "0.1"]},
+            trials=TrialCount.parse("poisson:2"),
+            out=tmp / "tune",
+        )
+    finally:
+        mp.undo()
+    return tmp / "tune", record
+
+
+@pytest.fixture(scope="module")
+def bundle(tuning, tmp_path_factory) -> Path:
+    return export_bundle(tuning[0], tmp_path_factory.mktemp("b") / "bundle")
+
+
+def test_metadata_and_readme_state_the_tuning_beside_the_total_epsilon(tuning, bundle):
+    folder, record = tuning
+    plan = record["plan"]
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    assert metadata_problems(meta) == []
+    dp = meta["differential_privacy"]
+    assert dp["private"] and dp["epsilon_target"] == 4.0
+    assert dp["epsilon_spent"]["rdp"] == pytest.approx(plan["epsilon"], rel=1e-6)
+    assert dp["epsilon_spent"]["rdp"] <= 4.0
+    assert dp["noise_multiplier"] == pytest.approx(plan["noise_multiplier"])
+    t = dp["tuning"]
+    assert t["expected_trials"] == 2.0 and t["trials_distribution"].startswith("Poisson")
+    assert t["epsilon_one_trial"] == pytest.approx(plan["trial_epsilon"])
+    assert t["epsilon_total"] == pytest.approx(plan["epsilon"], rel=1e-6)
+    assert "selection of the best trial" in t["covers"] and "released model" in t["covers"]
+    chosen = record["trials"][record["selected"]]
+    assert t["released"]["params"] == chosen["params"]
+    words = "expected 2 trials"
+    assert words in meta["description"] and "covering its hyperparameter tuning" in meta["task"]
+    readme = (bundle / "docs" / "README.md").read_text()
+    assert "- tuning: Accounted hyperparameter tuning" in readme and words in readme
+    assert f"epsilon {plan['epsilon']:.3f}".rstrip("0") in readme or "epsilon 4" in readme
+    assert "tuning_report.md" in readme and "privacy_report.md" not in readme
+    # what the bound does not cover stays with the custodian: K, the other trials' scores
+    shipped = [p for p in bundle.rglob("*") if p.is_file() and p.suffix in (".json", ".md")]
+    assert {p.name for p in (bundle / "docs").iterdir()} == {
+        "README.md",
+        "tuning_report.json",
+        "tuning_report.md",
+    }
+    for other in record["trials"]:
+        if other["index"] != record["selected"]:
+            assert not any(repr(other["score"])[:12] in p.read_text() for p in shipped)
+    assert "count" not in dp["tuning"] and "trials_run" not in json.dumps(dp)
+
+
+def test_bundle_holds_the_selected_trials_weights(tuning, bundle):
+    folder, record = tuning
+    trial = folder / "private_not_for_release" / "trials" / f"trial_{record['selected']}"
+    weights = torch.load(bundle / "models" / "model.pt", weights_only=True)
+    released = torch.load(trial / "model.pt", weights_only=False)["model"]
+    assert weights.keys() == released.keys()
+    assert all(torch.equal(weights[k], released[k]) for k in weights)
+
+
+def test_tuning_report_states_the_mechanism_beside_the_total(tuning):
+    text = (tuning[0] / "tuning_report.md").read_text()
+    head = text.split("\n\n")[1]  # the line with the total epsilon
+    assert "expected 2 trials" in head and "one trial alone" in head
+    assert "selection" in head and "released model" in head
+
+
+def test_unfinished_or_swapped_tuning_is_refused(tuning, tmp_path):
+    folder, record = tuning
+    stopped = tmp_path / "stopped"
+    shutil.copytree(folder, stopped)
+    ledger = json.loads((stopped / TUNING_LEDGER).read_text())
+    ledger["trials"][1]["status"] = "running"
+    (stopped / TUNING_LEDGER).write_text(json.dumps(ledger))
+    with pytest.raises(BundleExportError, match="stopped before every trial was scored"):
+        export_bundle(stopped, tmp_path / "b1")
+    swapped = tmp_path / "swapped"
+    shutil.copytree(folder, swapped)
+    other = next(t["index"] for t in record["trials"] if t["index"] != record["selected"])
+    trials = swapped / "private_not_for_release" / "trials"
+    shutil.copyfile(trials / f"trial_{other}" / "model.pt", swapped / "model.pt")
+    if (trials / f"trial_{other}" / "model.pt").read_bytes() != (
+        trials / f"trial_{record['selected']}" / "model.pt"
+    ).read_bytes():
+        with pytest.raises(BundleExportError, match="not the selected trial's model"):
+            export_bundle(swapped, tmp_path / "b2")
+
+
+def test_cli_exports_a_tuning_folder(tuning, tmp_path, capsys):
+    assert main(["bundle", "export", str(tuning[0]), str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "configs" / "metadata.json").is_file()
