@@ -104,6 +104,8 @@ from benchmarks.cost_cases import (
 from benchmarks.cost_markdown import analyse, render_markdown
 from benchmarks.cost_memory import measure_memory, memory_child_main, trim
 from benchmarks.cost_timing import measure_timing, setup_method, timed
+from dpkfc_med.curvature.families import Family
+from dpkfc_med.training.precision import Precision
 
 
 def _calibrate_batch(
@@ -424,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--precision",
         default="float32",
-        choices=["float32", "bf16"],
+        choices=[p.value for p in Precision],
         help="forward pass of every method: float32, or bf16 autocast (training.precision)",
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per method and round")
@@ -441,7 +443,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kfc-family",
         default=None,
-        choices=["kfac", "shampoo", "diagonal"],
+        choices=[f.value for f in Family],
         help="dp-kfc preconditioner family override",
     )
     p.add_argument(

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dpkfc_med.privacy.ghost import Clipping
+
 METHODS = (
     "nonprivate",
     "opacus",
@@ -27,7 +29,8 @@ METHODS = (
     "dp-kfc-ghost",
 )
 OPACUS_MODES = ("opacus", "opacus-ghost")  # the competitor's fastest is the reference
-CLIPPING = {"dp-kfc-per_sample": "per_sample", "dp-kfc-ghost": "ghost"}  # else "auto"
+# dp-kfc-<mode> forces one clipping mode; the other methods use the product's default, "auto"
+CLIPPING = {f"dp-kfc-{c.value}": c.value for c in Clipping if c is not Clipping.AUTO}
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
 DELTA = 1e-5

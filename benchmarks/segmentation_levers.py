@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness import merge
+from dpkfc_med.curvature.families import Family
 
 METHODS = ("nonprivate", "dp-sgd", "dp-kfc")
 # The other probe-only preconditioner families, run through the same protocol as DP-KFC's
 # default family (K-FAC): the method and the config fields it changes.
 FAMILIES: dict[str, dict[str, Any]] = {
-    "dp-kfc-shampoo": {"method": "dp-kfc", "preconditioner": {"family": "shampoo"}},
-    "dp-kfc-diagonal": {"method": "dp-kfc", "preconditioner": {"family": "diagonal"}},
+    f"dp-kfc-{f.value}": {"method": "dp-kfc", "preconditioner": {"family": f.value}}
+    for f in Family
+    if f is not Family.KFAC
 }
 PRIVATE = (*METHODS[1:], *FAMILIES)
 ALL_METHODS = (*METHODS, *FAMILIES)

@@ -19,6 +19,8 @@ import sys
 from typing import Any
 
 from dpkfc_med import __version__
+from dpkfc_med.methods import method_help
+from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = ["main"]
 
@@ -156,7 +158,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Write OUT_DIR/models/model.pt, configs/inference.yaml, configs/metadata.json "
         "(with the privacy block from the run's ledger) and docs/ (the shareable privacy report). "
         "Refuses an incomplete run and a run whose ledger epsilon exceeds its target; a "
-        "non-private run is exported marked NO PRIVACY GUARANTEE.",
+        f"non-private run is exported marked {NO_GUARANTEE}.",
     )
     x.add_argument("run_dir")
     x.add_argument("out_dir", help="the bundle folder to create (new or empty)")
@@ -176,7 +178,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, out_help: str) -> None:
     p.add_argument(
         "--epsilon", type=float, help="target epsilon (overrides privacy.target_epsilon)"
     )
-    p.add_argument("--method", help="nonprivate | dp-sgd | dp-kfc | dp-kfc-white | dp-kfc-public")
+    p.add_argument("--method", help=method_help())
     p.add_argument("--out", help=out_help)
     p.add_argument("--device", help="cpu | cuda | auto")
     p.add_argument(

@@ -6,6 +6,7 @@ import difflib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,29 +15,46 @@ E = TypeVar("E", bound=Enum)
 
 __all__ = ["check_choice", "did_you_mean"]
 
+CLOSE_MATCH_CUTOFF = 0.6
+"""Similarity (``difflib`` ratio) above which a mistyped option gets a suggestion."""
 
-def did_you_mean(value: str, allowed: list[str]) -> str:
-    """`` (did you mean 'x'?)`` when a close match exists, else an empty string."""
-    close = difflib.get_close_matches(str(value).lower(), allowed, n=1, cutoff=0.6)
+
+def did_you_mean(value: str, allowed: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` when an allowed spelling is close to ``value``, else ``""``.
+
+    The one did-you-mean rule of the package: option values, config fields, report fields,
+    model names, probe presets and the benchmark studies all suggest through it.
+    """
+    close = difflib.get_close_matches(
+        str(value).lower(), list(allowed), n=1, cutoff=CLOSE_MATCH_CUTOFF
+    )
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def check_choice(field: str, value: object, enum: type[E]) -> E:
-    """Coerce ``value`` (an enum member or its plain string) to ``enum``.
+def check_choice(field: str, value: object, enum: type[E], members: Iterable[E] | None = None) -> E:
+    """Coerce ``value`` (an enum member or its plain string, any case, ``-`` or ``_``) to ``enum``.
+
+    Args:
+        field: The option's name, for the error.
+        value: A member of ``enum`` or its string value.
+        enum: A ``str``-valued enum.
+        members: The members allowed here (default: all of ``enum``).
 
     Raises:
         ValueError: naming ``field``, the allowed values and the closest match.
     """
-    if isinstance(value, enum):
+    choices = list(enum) if members is None else list(members)
+    if isinstance(value, enum) and value in choices:
         return value
-    allowed = [str(m.value) for m in enum]
+    allowed = [str(m.value) for m in choices]
     if isinstance(value, str):
         normalized = value.strip().lower().replace("-", "_")
-        for m in enum:
+        for m in choices:
             if str(m.value).lower().replace("-", "_") == normalized:
                 return m
+    shown = value.value if isinstance(value, enum) else value
     raise ValueError(
-        f"{field}={value!r} is not allowed{did_you_mean(str(value), allowed)}; "
+        f"{field}={shown!r} is not allowed{did_you_mean(str(shown), allowed)}; "
         f"choose one of {allowed}"
     )
 

@@ -1,5 +1,6 @@
 """Scale-then-privatize DP optimizer on Opacus, engine, privacy units, accountants, ledger."""
 
+from dpkfc_med.methods import Method
 from dpkfc_med.privacy.accounting import (
     Accountant,
     GaussianSteps,
@@ -7,7 +8,7 @@ from dpkfc_med.privacy.accounting import (
     calibrate_noise_multiplier,
     epsilon_for,
 )
-from dpkfc_med.privacy.engine import Method, PrivacyEngine, check_model_compatible
+from dpkfc_med.privacy.engine import PrivacyEngine, check_model_compatible
 from dpkfc_med.privacy.optimizer import (
     BudgetExhaustedError,
     ScaleThenPrivatizeOptimizer,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from dpkfc_med.curvature.cost import (
 )
 from dpkfc_med.curvature.factors import LossFn, covered_layers
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
+from dpkfc_med.methods import ENGINE_METHODS, Method
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
 from dpkfc_med.privacy.distributed import (
@@ -52,13 +52,6 @@ from dpkfc_med.probes.sources import ProbeSource, probe_source_problems
 from dpkfc_med.utils import check_choice
 
 __all__ = ["Method", "PrivacyEngine", "check_loader_sampling", "check_model_compatible"]
-
-
-class Method(str, Enum):
-    """Private training methods."""
-
-    DP_SGD = "dp-sgd"
-    DP_KFC = "dp-kfc"
 
 
 def check_model_compatible(model: nn.Module) -> None:
@@ -312,7 +305,7 @@ class PrivacyEngine:
         Returns:
             ``(private_module, private_optimizer, poisson_loader)``.
         """
-        self.method = check_choice("method", method, Method)
+        self.method = check_choice("method", method, Method, ENGINE_METHODS)
         problems = []
         if not (noise_multiplier >= 0):
             problems.append(f"noise_multiplier={noise_multiplier!r}: must be >= 0")

@@ -30,7 +30,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from dpkfc_med.probes._options import parse_option
+from dpkfc_med.utils import check_choice
 
 __all__ = [
     "SPECTRUM_CONVENTION",
@@ -444,7 +444,7 @@ def match_intensity(
         ValueError: On an unknown mode, ``low >= high``, non-finite bounds, or
             ``"unit_range"`` with bounds other than ``(0, 1)``.
     """
-    mode = parse_option(IntensityMode, mode, "intensity mode")
+    mode = check_choice("intensity mode", mode, IntensityMode)
     if mode is IntensityMode.ZSCORE:
         return x
     if mode is IntensityMode.UNIT_RANGE:

@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from dpkfc_med.probes._options import did_you_mean, parse_option
 from dpkfc_med.probes.noise import IntensityMode
+from dpkfc_med.utils import check_choice, did_you_mean
 
 __all__ = ["PRESETS", "ModalityPreset", "get_preset"]
 
@@ -47,7 +47,7 @@ class ModalityPreset:
     def __post_init__(self) -> None:
         # Normalise a plain-string intensity so the table can be written with literals.
         object.__setattr__(
-            self, "intensity", parse_option(IntensityMode, self.intensity, "intensity")
+            self, "intensity", check_choice("intensity", self.intensity, IntensityMode)
         )
         if not math.isfinite(self.alpha):
             raise ValueError(f"preset {self.name!r}: alpha={self.alpha!r} must be finite")
@@ -234,4 +234,4 @@ def get_preset(name: str | ModalityPreset) -> ModalityPreset:
         hint = did_you_mean(key, PRESETS)
     else:
         hint = ""
-    raise ValueError(f"preset={name!r} is not one of {sorted(PRESETS)}{hint}")
+    raise ValueError(f"preset={name!r} is not allowed{hint}; choose one of {sorted(PRESETS)}")

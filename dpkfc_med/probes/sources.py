@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from dpkfc_med.probes._options import parse_option
 from dpkfc_med.probes.noise import (
     SPECTRUM_CONVENTION,
     IntensityMode,
@@ -30,6 +29,7 @@ from dpkfc_med.probes.noise import (
     white_noise,
 )
 from dpkfc_med.probes.presets import ModalityPreset, get_preset
+from dpkfc_med.utils import check_choice
 
 __all__ = [
     "LABEL_FIELD_ALPHA",
@@ -238,7 +238,7 @@ def sample_model_targets(
         ValueError: If ``model`` is None, the output is not a tensor of the expected shape, or
             the logits are not finite.
     """
-    task = parse_option(Task, task, "task")
+    task = check_choice("task", task, Task)
     if model is None:
         raise ValueError(
             "target='model' samples probe labels from the model's softmax, but sample() got "
@@ -470,10 +470,10 @@ class ImageProbeSource:
             self.preset.channels if channels is None else channels, "channels"
         )
         self.num_classes = _check_num_classes(num_classes)
-        self.task = parse_option(Task, task, "task")
-        self.kind = parse_option(NoiseKind, kind, "kind")
+        self.task = check_choice("task", task, Task)
+        self.kind = check_choice("kind", kind, NoiseKind)
         self.spacing = _check_spacing(spacing, len(self.spatial_shape))
-        self.target = parse_option(TargetRule, target, "target")
+        self.target = check_choice("target", target, TargetRule)
         if self.target is TargetRule.SHAPES and self.task is not Task.SEGMENTATION:
             raise ValueError(
                 "target='shapes' draws label maps and applies to task='segmentation'; use "
@@ -506,7 +506,7 @@ class ImageProbeSource:
         if intensity is None:
             return self.preset.intensity, self.preset.low, self.preset.high
         if isinstance(intensity, IntensityMode | str):
-            mode = parse_option(IntensityMode, intensity, "intensity")
+            mode = check_choice("intensity", intensity, IntensityMode)
             if mode is IntensityMode.RANGE:
                 raise ValueError(
                     "intensity='range' needs bounds; pass intensity=(low, high) instead"

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from dpkfc_med.probes._options import did_you_mean, parse_option
 from dpkfc_med.probes.noise import _check_generator, _check_positive_int
 from dpkfc_med.probes.sources import (
     ProbeBatch,
@@ -26,6 +25,7 @@ from dpkfc_med.probes.sources import (
     check_probe_batch,
     sample_model_targets,
 )
+from dpkfc_med.utils import check_choice, did_you_mean
 
 __all__ = ["SPECIAL_TOKEN_KEYS", "TokenProbeSource", "zipf_tokens"]
 
@@ -39,8 +39,9 @@ def _check_special_ids(special_ids: Mapping[str, int] | None, vocab_size: int) -
     for key, value in specials.items():
         if key not in SPECIAL_TOKEN_KEYS:
             raise ValueError(
-                f"special_ids key {key!r} is not one of {list(SPECIAL_TOKEN_KEYS)}"
-                f"{did_you_mean(str(key).lower(), SPECIAL_TOKEN_KEYS)}"
+                f"special_ids key {key!r} is not allowed"
+                f"{did_you_mean(str(key), SPECIAL_TOKEN_KEYS)}; choose one of "
+                f"{list(SPECIAL_TOKEN_KEYS)}"
             )
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
             raise ValueError(
@@ -160,7 +161,7 @@ class TokenProbeSource:
             raise ValueError(f"exponent={exponent!r} must be finite and >= 0")
         self.exponent = float(exponent)
         self.special_ids = _check_special_ids(special_ids, vocab_size)
-        self.target = parse_option(TargetRule, target, "target")
+        self.target = check_choice("target", target, TargetRule)
         # Fail at construction, not at the first refresh, if the specials leave no room.
         zipf_tokens(1, seq_len, vocab_size=vocab_size, exponent=exponent, special_ids=special_ids)
 

@@ -20,9 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dpkfc_med.methods import Method
 from dpkfc_med.report.custodian import not_covered_summary
 from dpkfc_med.report.numbers import format_delta, format_epsilon
 from dpkfc_med.report.plots import PLOT_FILES
+from dpkfc_med.report.schema import ACCOUNTANTS, COVERAGE_COLUMNS
 from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID, PRIVATE_PRECONDITIONER
 
 __all__ = [
@@ -55,22 +57,6 @@ DIAGNOSTICS_NOTE = (
     "data custodian only"
 )
 
-_METHODS = {
-    "nonprivate": "non-private training (no clipping, no noise)",
-    "dp-sgd": "DP-SGD: per-{unit} gradients clipped to norm C, Gaussian noise added to their sum",
-    "dp-kfc": (
-        "DP-KFC: per-{unit} gradients preconditioned by a KFAC curvature estimate built from "
-        "synthetic noise probes, then clipped to norm C and noised as in DP-SGD"
-    ),
-    "dp-kfc-white": (
-        "DP-KFC with white-noise probes: per-{unit} gradients preconditioned by a KFAC "
-        "curvature estimate built from white-noise probes, then clipped and noised as in DP-SGD"
-    ),
-    "dp-kfc-public": (
-        "DP-KFC with public data: per-{unit} gradients preconditioned by a KFAC curvature "
-        "estimate built from external public data, then clipped and noised as in DP-SGD"
-    ),
-}
 _ACCOUNTANTS = {
     "prv": "PRV (Opacus; Gopi et al. 2021)",
     "rdp": "RDP (Opacus; Mironov 2017)",
@@ -305,7 +291,7 @@ def guarantee_sentence(report: Mapping[str, Any]) -> str:
         return str(p["guarantee"])  # no (epsilon, delta) claim: the noise can be replayed
     eps, primary = p["epsilon"], p["accountant"]
     checks = []
-    for name in ("prv", "rdp", "pld"):
+    for name in ACCOUNTANTS:
         if name != primary:
             prefix = "independent " if name == "pld" else ""
             checks.append(f"{prefix}{name.upper()} cross-check: {format_epsilon(eps[name])}")
@@ -356,7 +342,7 @@ _FAMILY_TEXT = {
 def method_text(report: Mapping[str, Any]) -> str:
     """The method in one sentence, naming the preconditioner family when it is not K-FAC."""
     p, pre = report["privacy"], report.get("preconditioner")
-    text = _METHODS[p["method"]].format(unit=report["data"]["privacy_unit"])
+    text = Method(p["method"]).description.format(unit=report["data"]["privacy_unit"])
     family = ((pre or {}).get("config") or {}).get("family", "kfac")
     if family in _FAMILY_TEXT:
         text = text.replace("a KFAC curvature estimate", _FAMILY_TEXT[family])
@@ -452,7 +438,7 @@ def headline(report: Mapping[str, Any]) -> list[Block]:
     """
     p = report["privacy"]
     if not p["private"]:
-        return []  # the NO PRIVACY GUARANTEE banner is the verdict
+        return []  # the no-guarantee banner (NO_GUARANTEE) is the verdict
     verdict, _ = _release_verdict(report)
     if (p.get("randomness") or {}).get("source") == "seeded":
         return [Paragraph((Span(verdict[0], "strong"), " " + verdict[1]))]
@@ -464,11 +450,7 @@ def headline(report: Mapping[str, Any]) -> list[Block]:
         f"by the {acc.upper()} accountant that planned this run; this is the figure the "
         "guarantee states.",
     )
-    others = [
-        f"{name.upper()} {format_epsilon(eps[name])}"
-        for name in ("prv", "rdp", "pld")
-        if name != acc
-    ]
+    others = [f"{name.upper()} {format_epsilon(eps[name])}" for name in ACCOUNTANTS if name != acc]
     return [
         Paragraph(line),
         Paragraph(
@@ -774,7 +756,7 @@ def _guarantee(report: Mapping[str, Any]) -> list[Block]:
     if p["private"]:
         eps = p["epsilon"]
         rows.append(("delta", format_delta(p["delta"])))
-        for name in ("prv", "rdp", "pld"):
+        for name in ACCOUNTANTS:
             role = "primary" if name == p["accountant"] else "cross-check"
             rows.append((f"epsilon, {_ACCOUNTANTS[name]} [{role}]", format_epsilon(eps[name])))
         rows.append(("epsilon, most conservative of the three", format_epsilon(eps["max"])))
@@ -989,24 +971,7 @@ def _preconditioner(report: Mapping[str, Any]) -> list[Block]:
             )
         )
     if pre["coverage"]:
-        out.append(
-            _records_table(
-                pre["coverage"],
-                (
-                    "layer",
-                    "type",
-                    "adapter",
-                    "family",
-                    "groups",
-                    "A_dim",
-                    "G_dim",
-                    "A",
-                    "G",
-                    "scale",
-                    "params",
-                ),
-            )
-        )
+        out.append(_records_table(pre["coverage"], COVERAGE_COLUMNS))
     elif pre["covered_layers"]:
         out.append(Table(("Layer",), [(Span(name),) for name in pre["covered_layers"]]))
     else:

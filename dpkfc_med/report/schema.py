@@ -50,6 +50,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import Any
 
+from dpkfc_med.methods import METHODS, PRECONDITIONED_METHODS, Method
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -68,13 +69,12 @@ REPORT_SCHEMA = "dpkfc_med.privacy_report/2"
 """Schema id written into (and required of) every report."""
 
 STATUSES = ("complete", "incomplete", "failed")
-METHODS = ("nonprivate", "dp-sgd", "dp-kfc", "dp-kfc-white", "dp-kfc-public")
-PRECONDITIONED_METHODS = ("dp-kfc", "dp-kfc-white", "dp-kfc-public")
 ACCOUNTANTS = ("prv", "rdp", "pld")
-COVERAGE_KEYS = (
+COVERAGE_COLUMNS = (
     "layer",
     "type",
     "adapter",
+    "family",
     "groups",
     "A_dim",
     "G_dim",
@@ -83,6 +83,11 @@ COVERAGE_KEYS = (
     "scale",
     "params",
 )
+"""The preconditioner's covered-layers table, one row per layer or fallback parameter, in the
+order the renderer shows it."""
+COVERAGE_KEYS = tuple(k for k in COVERAGE_COLUMNS if k != "family")
+"""The columns every coverage row must hold (``family`` is absent from reports of schema 2
+written before the preconditioner families; such rows are K-FAC)."""
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -439,12 +444,12 @@ def _check_privacy(privacy: Any, problems: list[str]) -> None:
     method, private = privacy.get("method"), privacy.get("private")
     # Which fields are mandatory depends on whether the run claims a guarantee; a run whose
     # ``private`` flag is missing or wrong is checked as private, the stricter reading.
-    strict = private is not False or method != "nonprivate"
+    strict = private is not False or method != Method.NONPRIVATE.value
     spec = {**_PRIVACY_COMMON, **(_PRIVACY_PRIVATE if strict else _PRIVACY_NONPRIVATE)}
     _fields(spec)(privacy, "privacy", problems)
 
-    if method in METHODS and isinstance(private, bool) and private != (method != "nonprivate"):
-        want = "false" if method == "nonprivate" else "true"
+    if method in METHODS and isinstance(private, bool) and private != Method(method).private:
+        want = "true" if Method(method).private else "false"
         problems.append(f"privacy.private: must be {want} for method {method!r}")
     if not strict:
         if privacy.get("epsilon") is not None:
@@ -476,8 +481,8 @@ def _check_preconditioner(report: Mapping[str, Any], problems: list[str]) -> Non
                 "(probe source, refreshes, coverage), got null"
             )
         return
-    if method == "dp-sgd":
-        problems.append("preconditioner: must be null for method 'dp-sgd' (no preconditioner)")
+    if method in METHODS and Method(method).private and not Method(method).preconditioned:
+        problems.append(f"preconditioner: must be null for method {method!r} (no preconditioner)")
     _fields(
         {
             "uses_private_data": _boolean,
@@ -492,7 +497,8 @@ def _check_preconditioner(report: Mapping[str, Any], problems: list[str]) -> Non
     )(pre, "preconditioner", problems)
     if not isinstance(pre, Mapping):
         return
-    overridden = method == "dp-kfc-public" and bool(
+    public = method in METHODS and Method(method).public_data
+    overridden = public and bool(
         (pre.get("probe_source") or {}).get("overlap_with_private_train")
         or (pre.get("probe_source") or {}).get("same_dataset_as_private")
     )
@@ -502,15 +508,15 @@ def _check_preconditioner(report: Mapping[str, Any], problems: list[str]) -> Non
             "built from synthetic probes or external public data, never from the private data"
         )
     external = pre.get("external_data")
-    if method == "dp-kfc-public" and external is None:
+    if public and external is None:
         problems.append(
             "preconditioner.external_data: must name the external public data (path, sha256, "
-            "note) for method 'dp-kfc-public'"
+            f"note) for method {method!r}"
         )
-    elif method in ("dp-kfc", "dp-kfc-white") and external is not None:
+    elif method in PRECONDITIONED_METHODS and not public and external is not None:
         problems.append(
             f"preconditioner.external_data: must be null for method {method!r} (synthetic "
-            "probes only); use method 'dp-kfc-public' for external data"
+            f"probes only); use method {Method.DP_KFC_PUBLIC.value!r} for external data"
         )
 
 

@@ -50,7 +50,8 @@ def test_lookup_passes_presets_through() -> None:
 def test_did_you_mean() -> None:
     with pytest.raises(
         ValueError,
-        match=r"preset='mamography' is not one of \[.*'xray'\]; did you mean 'mammography'\?",
+        match=r"preset='mamography' is not allowed \(did you mean 'mammography'\?\); "
+        r"choose one of \[.*'xray'\]",
     ):
         get_preset("mamography")
     with pytest.raises(ValueError, match="histopathology"):

@@ -200,12 +200,14 @@ def test_alpha_from_preset_and_override() -> None:
     [
         (
             {"kind": "pnik"},
-            r"kind='pnik' is not one of \['pink', 'white', 'shapes'\]; did you mean 'pink'\?",
+            r"kind='pnik' is not allowed \(did you mean 'pink'\?\); "
+            r"choose one of \['pink', 'white', 'shapes'\]",
         ),
         ({"task": "segmentaton"}, "did you mean 'segmentation'"),
         (
             {"target": "modle"},
-            r"target='modle' is not one of \['uniform', 'model', 'shapes'\]; did you mean 'model'",
+            r"target='modle' is not allowed \(did you mean 'model'\?\); "
+            r"choose one of \['uniform', 'model', 'shapes'\]",
         ),
         ({"preset": "fundis"}, "did you mean 'fundus'"),
         ({"intensity": "unitrange"}, "did you mean 'unit_range'"),
