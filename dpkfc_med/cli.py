@@ -249,7 +249,7 @@ def _load_run_config(args: argparse.Namespace) -> Any:
 def _train(args: argparse.Namespace) -> int:
     from dpkfc_med.training import distributed
     from dpkfc_med.training.config import ConfigError
-    from dpkfc_med.training.loop import train
+    from dpkfc_med.training.run import train
 
     cfg = _load_run_config(args)
     if args.nproc is not None and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -35,7 +35,7 @@ def released_model(run_dir: str | Path) -> nn.Module:
         FileNotFoundError: The directory lacks ``config.yaml`` or ``model.pt``.
     """
     from dpkfc_med.training.config import config_from_dict
-    from dpkfc_med.training.loop import build_run_model
+    from dpkfc_med.training.setup import build_run_model
     from dpkfc_med.training.tasks import build_task
 
     run = Path(run_dir)

@@ -51,7 +51,7 @@ from dpkfc_med.utils import atomic_write_bytes
 
 __all__ = ["BundleExportError", "export_bundle"]
 
-# Written by the engine (training/loop.py); read here, never written.
+# Written by the engine (training/run.py); read here, never written.
 RUN_JSON, LEDGER, MODEL, CONFIG = "run.json", "ledger.json", "model.pt", "config.yaml"
 EPS_SLACK = 1e-9  # float noise of recomputing the ledger's epsilon
 

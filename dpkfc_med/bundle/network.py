@@ -1,7 +1,7 @@
 """The network of a run as a MONAI bundle ``network_def``, checked against the engine's own build.
 
 The engine builds a network from the registry and then makes it private-compatible
-(:func:`dpkfc_med.training.loop.build_run_model`: BatchNorm -> GroupNorm, in-place ops off). A
+(:func:`dpkfc_med.training.setup.build_run_model`: BatchNorm -> GroupNorm, in-place ops off). A
 bundle has to rebuild exactly that architecture from its config. :func:`network_definition`
 records the MONAI constructor call the registry makes (``_target_: monai.networks.nets.X`` with
 the run's keyword arguments), expresses the norm replacements as MONAI's ``norm`` argument,
@@ -78,7 +78,7 @@ def build_network(
         The network in training mode with freshly initialised weights.
     """
     from dpkfc_med.training.config import ModelConfig, RunConfig
-    from dpkfc_med.training.loop import build_run_model
+    from dpkfc_med.training.setup import build_run_model
 
     cfg = RunConfig(model=ModelConfig(name=name, norm=norm, kwargs=dict(kwargs or {})))
     task = SimpleNamespace(

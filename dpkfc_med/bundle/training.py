@@ -3,7 +3,7 @@
 A bundle's ``configs/train.yaml`` holds only the path of a run config (``configs/*.yaml``),
 optional ``--set``-style overrides and an output directory; its ``training`` entry calls
 :func:`train`, which takes exactly the code path of ``dpkfc-med train``
-(:func:`~dpkfc_med.training.config.load_config` then :func:`~dpkfc_med.training.loop.train`).
+(:func:`~dpkfc_med.training.config.load_config` then :func:`~dpkfc_med.training.run.train`).
 No setting of the run lives in the bundle.
 """
 
@@ -33,7 +33,7 @@ def train(
         resume: Continue the run in ``out`` within its budget (``--resume``).
 
     Returns:
-        The :class:`~dpkfc_med.training.loop.RunResult`; the run directory holds the model,
+        The :class:`~dpkfc_med.training.run.RunResult`; the run directory holds the model,
         the ledger and ``privacy_report.{json,md,html}``.
 
     Raises:
@@ -45,7 +45,7 @@ def train(
         nothing and changes nothing.
     """
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.loop import train as train_run
+    from dpkfc_med.training.run import train as train_run
 
     items = [str(o) for o in (overrides or [])]
     if out is not None:

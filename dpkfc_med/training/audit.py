@@ -1,6 +1,6 @@
 """The ``dpkfc-med audit`` run: the configured mechanism with canaries, and its lower bound.
 
-One audit is one training run of the configuration through :func:`~.loop.train`, unchanged
+One audit is one training run of the configuration through :func:`~.run.train`, unchanged
 (same data, Poisson sampler, clipping unit, preconditioner, noise and accountant), with
 :class:`~dpkfc_med.privacy.audit.DiracCanaries` attached to the private optimizer before the
 first step. It writes, into its own run directory (``runs/{name}_audit`` by default, never a
@@ -39,7 +39,8 @@ from dpkfc_med.privacy.audit import (
     default_canaries,
 )
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
-from dpkfc_med.training.loop import RUN_JSON, RunResult, train
+from dpkfc_med.training.opening import RUN_JSON
+from dpkfc_med.training.run import RunResult, train
 from dpkfc_med.utils import write_json
 
 __all__ = [

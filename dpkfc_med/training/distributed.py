@@ -80,8 +80,8 @@ def _rank_config(cfg: RunConfig, world: World, resume: bool) -> tuple[RunConfig,
 
 
 def train_on_this_rank(cfg: RunConfig, *, resume: bool = False, **kwargs: Any) -> Any:
-    """:func:`~dpkfc_med.training.loop.train` as one rank of an initialised process group."""
-    from dpkfc_med.training.loop import train
+    """:func:`~dpkfc_med.training.run.train` as one rank of an initialised process group."""
+    from dpkfc_med.training.run import train
 
     world = World.current()
     own, tmp = _rank_config(cfg, world, resume)

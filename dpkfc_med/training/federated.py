@@ -95,7 +95,9 @@ def _site_main(
     import flwr
 
     _quiet_flower()
-    from dpkfc_med.training.loop import _pretrain, build_run_model, train
+    from dpkfc_med.training.run import train
+    from dpkfc_med.training.setup import build_run_model
+    from dpkfc_med.training.setup import pretrain as _pretrain
     from dpkfc_med.training.tasks import build_task
 
     torch.set_num_threads(threads)

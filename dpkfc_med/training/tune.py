@@ -120,7 +120,7 @@ def _trial_config(
 
 def released_model(cfg: RunConfig, task: Any, model_pt: Path) -> torch.nn.Module:
     """The network of ``cfg`` holding the weights a run released in ``model_pt``."""
-    from dpkfc_med.training.loop import build_run_model
+    from dpkfc_med.training.setup import build_run_model
 
     model, _ = build_run_model(cfg, task, finetune=False)
     model.load_state_dict(torch.load(model_pt, map_location="cpu", weights_only=False)["model"])
@@ -167,7 +167,7 @@ def run_tuning(
         ConfigError: a non-private method, an existing tuning without ``resume``, or
             ``resume`` without one.
     """
-    from dpkfc_med.training.loop import train
+    from dpkfc_med.training.run import train
     from dpkfc_med.training.tasks import build_task
 
     out = Path(out)

@@ -22,7 +22,7 @@ PNEUMONIA = Path(SHARED_DATA) / "medmnist" / "pneumoniamnist.npz"
 def run_dir(tmp_path_factory):
     assert PNEUMONIA.is_file(), f"no bundled PneumoniaMNIST at {PNEUMONIA} (set DPKFC_MED_DATA)"
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.loop import train
+    from dpkfc_med.training.run import train
 
     out = tmp_path_factory.mktemp("diag") / "run"
     cfg = load_config(

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpkfc_med.cli import main
+from dpkfc_med.engines import noise_only_step
 from dpkfc_med.privacy import PrivacyEngine
 from dpkfc_med.privacy.accounting import GaussianSteps, epsilon_for
 from dpkfc_med.privacy.audit import (
@@ -42,7 +43,6 @@ from dpkfc_med.training.audit import (
     run_audit,
 )
 from dpkfc_med.training.config import ConfigError, load_config
-from dpkfc_med.training.loop import noise_only_step
 from tests.conftest import GaussianProbes, per_sample_ce, summed_clipped
 
 # ----------------------------------------------------------------------------- the bound

@@ -196,7 +196,7 @@ def test_unit_ids_refused_for_segmentation_and_num_classes_checked():
 def test_evaluate_a_patient_unit_run_on_another_file(tmp_path):
     """The run's mapping describes its own file: evaluation elsewhere is per image."""
     from dpkfc_med.training.evaluate import TrainingDataEvaluationWarning, evaluate_run
-    from dpkfc_med.training.loop import train
+    from dpkfc_med.training.run import train
 
     csv = _write_csv(tmp_path, PATIENTS)
     cfg = config_from_dict(

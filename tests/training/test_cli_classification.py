@@ -14,7 +14,7 @@ from opacus.accountants import PRVAccountant
 from dpkfc_med.cli import main
 from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.training.config import load_config
-from dpkfc_med.training.loop import train
+from dpkfc_med.training.run import train
 from tests.conftest import SHARED_DATA
 
 PNEUMONIA = Path(SHARED_DATA) / "medmnist" / "pneumoniamnist.npz"

@@ -6,7 +6,7 @@ import torch
 
 from dpkfc_med.cli import main
 from dpkfc_med.training.config import load_config
-from dpkfc_med.training.loop import train
+from dpkfc_med.training.run import train
 from tests.training.test_cli_classification import _config, _report
 
 

@@ -69,7 +69,9 @@ def test_pretrain_refused_for_classification():
 def test_pretrained_weights_do_not_depend_on_the_private_data():
     """Same config, two different private training sets: bitwise the same pretrained model."""
     assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
-    from dpkfc_med.training.loop import _pretrain, _seed_everything, build_run_model
+    from dpkfc_med.training.setup import build_run_model
+    from dpkfc_med.training.setup import pretrain as _pretrain
+    from dpkfc_med.training.setup import seed_everything as _seed_everything
     from dpkfc_med.training.tasks import build_task
 
     weights = []
@@ -139,7 +141,9 @@ def test_shipped_hippocampus_configs_are_one_recipe_at_three_epsilons():
 
 
 def _pretrained(cfg, task):
-    from dpkfc_med.training.loop import _pretrain, _seed_everything, build_run_model
+    from dpkfc_med.training.setup import build_run_model
+    from dpkfc_med.training.setup import pretrain as _pretrain
+    from dpkfc_med.training.setup import seed_everything as _seed_everything
 
     _seed_everything(cfg.training.seed)
     model, _ = build_run_model(cfg, task)

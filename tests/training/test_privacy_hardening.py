@@ -15,7 +15,7 @@ from dpkfc_med.privacy import PrivacyEngine
 from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.report import CUSTODIAN_ONLY, PRIVATE_DIR, REPORT_FILES
 from dpkfc_med.training.config import ConfigError, load_config
-from dpkfc_med.training.loop import RunInterrupted, train
+from dpkfc_med.training.run import RunInterrupted, train
 from tests.conftest import tiny_cnn_2d
 from tests.training.test_cli_classification import PNEUMONIA, _config, _report
 
@@ -252,7 +252,7 @@ def test_an_empty_poisson_batch_is_a_noisy_step_for_any_layer(method):
     """PReLU's per-sample gradient comes from functorch, which cannot vmap over 0 samples."""
     from torch import nn
 
-    from dpkfc_med.training.loop import noise_only_step
+    from dpkfc_med.engines import noise_only_step
     from tests.conftest import GaussianProbes, per_sample_ce
 
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import torch
 from dpkfc_med.cli import main
 from dpkfc_med.report import REPORT_FILES
 from dpkfc_med.training.config import load_config
-from dpkfc_med.training.loop import RunInterrupted, train
+from dpkfc_med.training.run import RunInterrupted, train
 from tests.training.test_cli_classification import PNEUMONIA, _config, _report
 from tests.training.test_privacy_hardening import _ledger, _stop_at
 

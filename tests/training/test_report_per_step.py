@@ -17,7 +17,7 @@ from dpkfc_med.cli import main
 from dpkfc_med.privacy.accounting import RDP_ALPHAS
 from dpkfc_med.report import format_epsilon
 from dpkfc_med.training.config import load_config
-from dpkfc_med.training.loop import train
+from dpkfc_med.training.run import train
 from tests.conftest import SHARED_DATA
 
 PNEUMONIA = Path(SHARED_DATA) / "medmnist" / "pneumoniamnist.npz"
@@ -192,10 +192,10 @@ def test_output_path_under_a_file_is_a_clear_error_and_leaves_nothing(tmp_path, 
 def test_a_run_refused_for_its_output_directory_spent_nothing(tmp_path, monkeypatch):
     """The check runs before the run directory, the ledger or any step exist."""
     calls: list[str] = []
-    import dpkfc_med.training.loop as loop
+    import dpkfc_med.training.run as loop
 
-    real = loop._start_run_files
-    monkeypatch.setattr(loop, "_start_run_files", lambda *a: calls.append("start") or real(*a))
+    real = loop.start_run_files
+    monkeypatch.setattr(loop, "start_run_files", lambda *a: calls.append("start") or real(*a))
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ValueError, match="output.dir: cannot write"):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from dpkfc_med.training.config import load_config
-from dpkfc_med.training.loop import train
+from dpkfc_med.training.run import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

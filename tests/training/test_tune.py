@@ -39,7 +39,7 @@ def test_the_validation_score_noise_is_calibrated_to_its_sensitivity():
 
 
 def test_tuning_releases_the_best_trial_and_survives_a_kill(tmp_path, monkeypatch):
-    import dpkfc_med.training.loop as loop
+    import dpkfc_med.training.run as loop
 
     cfg_path = _config(tmp_path, method="dp-sgd", training={"epochs": 1})
     cfg = load_config(cfg_path)

@@ -1,0 +1,77 @@
+"""A progress bar per epoch: loss, the spent epsilon and images per second."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ignite.engine import Events
+from monai.utils.enums import CommonKeys as Keys
+
+from dpkfc_med.engines.handlers.history import RunLog
+from dpkfc_med.engines.trainer import PrivacyEvents
+
+__all__ = ["ProgressBarHandler"]
+
+log = logging.getLogger("dpkfc_med")
+
+
+class ProgressBarHandler:
+    """A tqdm bar over each epoch's steps, its postfix the loss, epsilon fields and img/s.
+
+    Args:
+        log: The run's history (its ``bar_epsilon`` fields are shown).
+        enabled: ``training.progress``; off, only the log's epoch lines remain.
+    """
+
+    def __init__(self, run_log: RunLog, enabled: bool = True) -> None:
+        self.run_log, self.enabled = run_log, enabled
+        self.bar: Any = None
+        self.t0, self.seen = 0.0, 0
+
+    def attach(self, engine: Any) -> None:
+        """Attach to a trainer."""
+        engine.add_event_handler(Events.EPOCH_STARTED, self.open)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self.update)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self.close)
+        engine.add_event_handler(Events.TERMINATE, self.close)
+        engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self.close)
+
+    def open(self, engine: Any) -> None:
+        """A fresh bar for the epoch."""
+        from tqdm import tqdm
+
+        self.t0, self.seen = time.perf_counter(), 0
+        self.bar = tqdm(
+            total=engine.state.epoch_length,
+            desc=f"epoch {engine.state.epoch}/{engine.state.max_epochs}",
+            disable=not self.enabled,
+            leave=False,
+            dynamic_ncols=True,
+        )
+
+    def update(self, engine: Any) -> None:
+        """One step done."""
+        out = engine.state.output
+        self.seen += len(out[Keys.IMAGE])
+        loss = float(out[Keys.LOSS])
+        rate = self.seen / max(time.perf_counter() - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{loss:.3f}", **self.run_log.bar_epsilon, img_s=f"{rate:.0f}"
+            )
+            self.bar.update(1)
+
+    def close(self, engine: Any) -> None:
+        """Close the bar; one line in the log."""
+        if self.bar is None:
+            return
+        self.bar.close()
+        self.bar = None
+        log.info(
+            "epoch %d done: %d samples, %.1f s",
+            engine.state.epoch,
+            self.seen,
+            time.perf_counter() - self.t0,
+        )

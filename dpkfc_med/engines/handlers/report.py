@@ -1,0 +1,45 @@
+"""The run's privacy report when it completes, stops early, is interrupted or fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ignite.engine import Events
+
+from dpkfc_med.engines.trainer import PrivacyEvents
+
+__all__ = ["PrivacyReportHandler"]
+
+
+class PrivacyReportHandler:
+    """Write the report at the end of every run, whatever ended it.
+
+    At ``COMPLETED`` the run is ``complete`` when ``finished(engine)`` (all epochs, or the
+    plan's steps spent) and is then evaluated and released; otherwise (``stop_after_epochs``)
+    it is ``incomplete``. An interrupt or error writes an ``incomplete`` report of what the
+    ledger holds before the exception leaves the trainer.
+
+    Args:
+        finish: ``(status, evaluate) -> None``: releases the model when ``evaluate`` and writes
+            the report built from the frozen run record (:mod:`dpkfc_med.report.record`).
+        finished: ``engine -> bool``.
+    """
+
+    def __init__(self, finish: Callable[[str, bool], Any], finished: Callable[[Any], bool]) -> None:
+        self.finish, self.finished = finish, finished
+        self.result: Any = None
+
+    def attach(self, engine: Any) -> None:
+        """Attach last: the report sees every other handler's state."""
+        engine.add_event_handler(Events.COMPLETED, self.completed)
+        engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self.stopped)
+
+    def completed(self, engine: Any) -> None:
+        """The run ended normally (all epochs, the plan spent, or a deliberate stop)."""
+        status = "complete" if self.finished(engine) else "incomplete"
+        self.result = self.finish(status, status == "complete")
+
+    def stopped(self, engine: Any) -> None:
+        """An interrupt or error: what was spent, no evaluation."""
+        self.result = self.finish("incomplete", False)

@@ -1,0 +1,131 @@
+"""What a run is built from: its device, seed, network, optimizer and data-free pretraining."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpkfc_med.models import (
+    build_model,
+    check_input_size,
+    make_private_compatible,
+    validate_private_compatible,
+)
+from dpkfc_med.models.finetune import prepare_finetune
+from dpkfc_med.privacy.adambc import DPAdamBC
+from dpkfc_med.training.config import ConfigError, RunConfig
+from dpkfc_med.training.pretrain import PretrainSpec, pretrain_synthetic
+from dpkfc_med.training.tasks import Task
+
+__all__ = [
+    "PRETRAIN_CACHE",
+    "build_run_model",
+    "make_optimizer",
+    "pretrain",
+    "resolve_device",
+    "seed_everything",
+    "task_record",
+]
+
+PRETRAIN_CACHE = ".pretrain_cache"  # pretrain.cache_dir: auto, beside the run directory
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and PyTorch (initialisation, crops; never the privacy noise)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``training.device`` as a device (``auto``: CUDA when available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(["training.device=cuda: no CUDA device is available; use cpu or auto"])
+    return torch.device(name)
+
+
+def build_run_model(
+    cfg: RunConfig, task: Task, *, finetune: bool = True
+) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """The run's network, made DP-compatible and checked against the task's input size.
+
+    Args:
+        cfg: The run config.
+        task: The task (input channels, classes, spatial shape).
+        finetune: Load ``model.pretrained`` and apply ``training.finetune`` (freezing, LoRA
+            adapters); ``False`` builds the plain network of a released ``model.pt``.
+
+    Returns:
+        The model and its fixes as dictionaries (the report's ``model.fixes``).
+    """
+    model, _ = build_model(
+        cfg.model.name,
+        spatial_dims=task.spatial_dims,
+        in_channels=task.in_channels,
+        out_channels=task.num_classes,
+        dp_fix=False,
+        input_size=task.spatial_shape,
+        **cfg.model.kwargs,
+    )
+    model, fixes = make_private_compatible(model, norm=cfg.model.norm)
+    if finetune:  # model.pretrained and training.finetune, before any privacy wrapper
+        prepare_finetune(model, cfg.model, cfg.training)
+    validate_private_compatible(model)
+    check_input_size(model, (task.in_channels, *task.spatial_shape))
+    return model, [dataclasses.asdict(f) for f in fixes]
+
+
+def make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The configured optimizer (DP-AdamBC gets its noise variance from the privacy engine)."""
+    t = cfg.training
+    if t.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    if t.optimizer == "adambc":  # noise variance (and the default floor) set by the engine
+        return DPAdamBC(
+            model.parameters(), lr=t.lr, gamma=t.adambc_gamma, weight_decay=t.weight_decay
+        )
+    return torch.optim.SGD(
+        model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+    )
+
+
+def pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """Data-free pretraining on synthetic shapes (config only; see :mod:`.pretrain`)."""
+    from dpkfc_med.probes.presets import get_preset
+
+    p = cfg.pretrain
+    alpha = (
+        cfg.probes.alpha if cfg.probes.alpha is not None else get_preset(cfg.probes.preset).alpha
+    )
+    return pretrain_synthetic(
+        model,
+        PretrainSpec(steps=p.steps, batch_size=p.batch_size, lr=p.lr, seed=p.seed),
+        loss=task.loss,
+        spatial_shape=task.spatial_shape,
+        num_classes=task.num_classes,
+        spacing=task.spacing or (1.0,) * len(task.spatial_shape),
+        alpha=alpha,
+        device=device,
+        cache_dir=(cfg.run_dir().parent / PRETRAIN_CACHE if p.cache_dir == "auto" else p.cache_dir),
+        loss_id=f"{type(task).__module__}.{type(task).__qualname__}.loss",
+        channels=task.in_channels,
+    )
+
+
+def task_record(task: Task) -> dict[str, Any]:
+    """The task's public description kept in ``run.json`` (shapes, classes, unit, metric)."""
+    return {
+        "kind": task.kind,
+        "spatial_dims": task.spatial_dims,
+        "in_channels": task.in_channels,
+        "num_classes": task.num_classes,
+        "spatial_shape": list(task.spatial_shape),
+        "label_names": task.label_names,
+    }
