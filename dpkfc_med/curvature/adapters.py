@@ -256,8 +256,8 @@ def unfold_channels_first(
     """Unfold an already padded ``[B, C, *S]`` tensor into ``[B, C * prod(k), L]``.
 
     What ``torch.nn.functional.unfold`` returns in 2D, for 1D/2D/3D. Copying the patch view
-    in this order keeps the input's memory order along the positions (2-5x faster on CPU than
-    the position-major copy of :func:`unfold_nd`, and faster than ``F.unfold`` itself).
+    in this order keeps the input's memory order along the positions (on CPU faster than the
+    position-major copy of :func:`unfold_nd` and than ``F.unfold`` itself).
     """
     n = len(kernel_size)
     b, c = x.shape[:2]

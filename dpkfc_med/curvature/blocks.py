@@ -1,12 +1,14 @@
-r"""Per-layer blocks of the preconditioner: inverse roots, the ``U_A`` forms and the kernels.
+r"""Per-layer blocks of the preconditioner: the transform of one covered layer or parameter.
 
-A :class:`KroneckerBlock` is one covered layer's transform ``g -> s U_G g U_A`` with its
-per-sample kernels (from the layer's rows, or on materialised per-sample gradients) and their
-cost in multiply-adds (:func:`transform_path_macs`, shared with the refresh schedule and the
-cost benchmark); ``U_A`` is dense, low rank (:class:`LowRankA`) or a Kronecker product over
-channels and kernel offsets (:class:`KronA`). A :class:`FallbackBlock` scales a parameter no
-adapter covers. The network-level operator that holds them is
-:class:`~dpkfc_med.curvature.preconditioner.KroneckerPreconditioner`.
+A :class:`KroneckerBlock` is one covered layer's transform ``g -> s U_G g U_A`` of a
+per-sample gradient ``g`` (``[B, G, n_g, n_a]``) with its kernels: from the layer's rows and
+output errors (factored), or on the materialised per-sample gradient, whichever costs fewer
+multiply-adds (:func:`~dpkfc_med.curvature.kernels.transform_path_macs`). ``U_A`` is dense,
+diagonal, low rank (:class:`~dpkfc_med.curvature.a_forms.LowRankA`) or a Kronecker product
+over channels and kernel offsets (:class:`~dpkfc_med.curvature.a_forms.KronA`). A
+:class:`FallbackBlock` scales a parameter no adapter covers. The network-level operator that
+holds them is :class:`~dpkfc_med.curvature.preconditioner.KroneckerPreconditioner`; the
+inverse roots are in :mod:`~dpkfc_med.curvature.roots`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dpkfc_med.curvature.a_forms import (
+    KronA,
+    LowRankA,
+    kron_a_from_factor,
+    kron_eligible,
+    low_rank_of,
+)
 from dpkfc_med.curvature.adapters import LayerAdapter
-from dpkfc_med.curvature.linalg import EighFallback, robust_eigh
+from dpkfc_med.curvature.kernels import (
+    grads_times,
+    outer_sum,
+    raw_sq_norms,
+    rows_times,
+    transform_path_macs,
+)
+from dpkfc_med.curvature.roots import inverse_sqrt, inverse_sqrt_with_spectrum
 
 __all__ = [
     "FallbackBlock",
@@ -36,347 +52,9 @@ __all__ = [
 ]
 
 
-def inverse_sqrt(factor: Tensor, damping: float) -> Tensor:
-    """``(F + damping * mean_eig(F) * I)^{-1/2}`` for ``[G, n, n]`` (or diagonal ``[G, n]``).
-
-    Eigenvalues are clamped at 0 before damping (round-off can make them slightly negative).
-    An all-zero factor (a layer the probe loss does not reach) maps to the identity. A
-    decomposition failure falls back as :func:`~dpkfc_med.curvature.linalg.robust_eigh`
-    describes (logged, never raised).
-    """
-    return inverse_sqrt_with_spectrum(factor, damping)[0]
-
-
-def inverse_sqrt_with_spectrum(
-    factor: Tensor,
-    damping: float,
-    *,
-    layer: str = "",
-    part: str = "",
-    record: list[EighFallback] | None = None,
-    power: float = 0.5,
-) -> tuple[Tensor, Tensor]:
-    """:func:`inverse_sqrt` and the factor's eigenvalues ``[G, n]`` (one decomposition).
-
-    ``layer``, ``part`` and ``record`` label and collect decomposition fallbacks
-    (:func:`~dpkfc_med.curvature.linalg.robust_eigh`). ``power``: the inverse root taken,
-    ``(F + damping * mean_eig)^{-power}`` (1/2 by default; Shampoo uses 1/4).
-    """
-    if factor.dim() == 2:
-        mean = factor.mean(dim=-1, keepdim=True)
-        lam = factor.clamp_min(0) + damping * mean
-        out = lam.rsqrt() if power == 0.5 else lam.pow(-power)
-        return torch.where(mean > 0, out, torch.ones_like(out)), factor
-    # Decompose the damped matrix: a factor with many exactly-zero rows (e.g. conv taps that
-    # only ever see padding) can make LAPACK's eigh fail to converge; the shift fixes that and
-    # changes nothing else (same eigenvectors, eigenvalues shifted by the damping).
-    n = factor.shape[-1]
-    mean = (torch.diagonal(factor, dim1=-2, dim2=-1).sum(-1) / n).clamp_min(0)  # = mean eig
-    shift = (damping * mean)[:, None, None] * torch.eye(n, dtype=factor.dtype, device=factor.device)
-    lam, evecs = robust_eigh(factor + shift, layer=layer, part=part, record=record)
-    evals = lam - damping * mean[:, None]
-    # eigenvalues of the undamped factor are clamped at 0, i.e. lam at damping * mean
-    lam = torch.maximum(lam, damping * mean[:, None])
-    ok = (mean > 0)[:, None]
-    lam = lam.clamp_min(torch.finfo(lam.dtype).tiny)
-    inv = torch.where(ok, lam.rsqrt() if power == 0.5 else lam.pow(-power), torch.ones_like(lam))
-    return (evecs * inv.unsqueeze(-2)) @ evecs.transpose(-1, -2), evals
-
-
-def kron_eligible(module: nn.Module, a: Tensor) -> bool:
-    """Ungrouped (non-transposed) convolution with a full ``A`` factor."""
-    return (
-        isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-        and module.groups == 1
-        and a.dim() == 3
-    )
-
-
-def _grads_times(x: Tensor, u: Tensor) -> Tensor:
-    """``x [B, G, r, n] @ U [G, n, m]`` per group (plain matmul when ``G = 1``)."""
-    if u.shape[0] == 1:
-        return x @ u[0]
-    return torch.einsum("bgoi,gij->bgoj", x, u)
-
-
-def _rows_times(x: Tensor, u: Tensor | None) -> Tensor:
-    """``x [B, G, r, n]`` times ``U`` per group: ``[G, n, n]``, diagonal ``[G, n]`` or ``None``."""
-    if u is None:
-        return x
-    if u.dim() == 2:
-        return x * u.unsqueeze(1)
-    return _grads_times(x, u)
-
-
-def grads_sq(raw_w: Tensor, raw_b: Tensor | None) -> Tensor:
-    """Squared per-sample norms ``[B]`` of per-sample weight (and bias) gradients."""
-    out = raw_w.pow(2).flatten(1).sum(1)
-    return out if raw_b is None else out + raw_b.pow(2).flatten(1).sum(1)
-
-
-def _raw_sq(a: Tensor, delta: Tensor, has_bias: bool, raw_w: Tensor | None = None) -> Tensor:
-    """Squared per-sample norms ``[B]`` of untransformed gradients from rows and errors."""
-    if raw_w is None:
-        raw_w = delta.transpose(-1, -2) @ a
-    return grads_sq(raw_w[: a.shape[0]], delta.sum(-2) if has_bias else None)
-
-
 def raw_norms_sq(block: KroneckerBlock, a: Tensor, delta: Tensor) -> Tensor:
     """Squared raw per-sample norms ``[B]`` of ``block``'s layer from rows ``[B, G, T, n_w]``."""
-    return _raw_sq(a, delta, block.dims[1] > a.shape[-1])
-
-
-def outer_sum(delta: Tensor, a: Tensor) -> Tensor:
-    """Per-sample ``sum_t delta_t a_t^T``: ``[B, T, G, n_g], [B, T, G, n_a] -> [B, G, n_g, n_a]``.
-
-    A batched matmul over ``(B, G)``; for ``G = 1`` it skips the permute copies an einsum makes
-    (2x faster on CPU for the small CNN's conv2).
-    """
-    if a.shape[2] == 1:
-        return (delta[:, :, 0].transpose(1, 2) @ a[:, :, 0]).unsqueeze(1)
-    return torch.einsum("btgo,btgi->bgoi", delta, a)
-
-
-@dataclass
-class KronA:
-    """``U_A = U_C (x) U_K`` (plus a bias scalar) for an ungrouped convolution.
-
-    The patch layout is channel-major (``[C, K]``, then the bias coordinate when present), so
-    a row ``x`` maps to ``vec(U_C X U_K)`` with ``X`` its ``C x K`` reshape: the same as the
-    row times ``kron(U_C, U_K)`` (both factors are symmetric).
-    """
-
-    u_c: Tensor
-    u_k: Tensor
-    u_bias: float | None = None
-
-    def __post_init__(self) -> None:
-        c, k = self.u_c.shape[0], self.u_k.shape[0]
-        # With one channel or one kernel offset (C + K >= C K) the explicit product is no
-        # larger than its factors and one matmul beats C K tiny ones.
-        self.dense = torch.kron(self.u_c, self.u_k) if c + k >= c * k else None
-
-    @property
-    def row_macs(self) -> int:
-        """Multiply-adds to transform one row."""
-        c, k = self.u_c.shape[0], self.u_k.shape[0]
-        return c * k * min(c + k, c * k)
-
-    def right_w(self, x: Tensor) -> Tensor:
-        """``x [..., C K] -> x (U_C (x) U_K)`` on the last dimension (weight coordinates)."""
-        if self.dense is not None:
-            return x @ self.dense
-        c, k = self.u_c.shape[0], self.u_k.shape[0]
-        w = x.reshape(*x.shape[:-1], c, k)
-        return (self.u_c @ w @ self.u_k).reshape(*x.shape[:-1], c * k)
-
-    def mix_channels(self, x: Tensor) -> Tensor:
-        """``U_C`` on the channels of a layer input ``[B, C, *S]``.
-
-        Channel mixing is per position, so it commutes with padding (zeros, or copies of
-        input positions) and with unfolding: the patches of the mixed input are the rows
-        ``X -> U_C X``, and only ``U_K`` is left for the per-sample gradient. That costs
-        ``S C^2`` per sample on the input instead of ``T C^2 K`` on the patches. (A
-        ``groups=C`` convolution applying ``U_K`` as well was measured 3x slower than the
-        unfold it would replace, on CPU.)
-        """
-        b, c = x.shape[:2]
-        return torch.matmul(self.u_c, x.reshape(b, c, -1)).view(x.shape)
-
-    def right_k(self, x: Tensor, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
-        """``s x (I (x) U_K)`` for ``x [..., C K]`` contiguous: one matmul (into ``out``)."""
-        c, k = self.u_c.shape[0], self.u_k.shape[0]
-        u_k = self.u_k if scale == 1.0 else self.u_k * scale
-        split = (*x.shape[:-1], c, k)
-        if out is None:
-            return (x.reshape(split) @ u_k).reshape(x.shape)
-        torch.matmul(x.reshape(split), u_k, out=out.view(split))
-        return out
-
-    def matrix(self) -> Tensor:
-        """``[n_a, n_a]`` explicit ``U_A``: ``kron(U_C, U_K)``, then the bias scalar (tests)."""
-        m = torch.kron(self.u_c, self.u_k)
-        if self.u_bias is None:
-            return m
-        bias = torch.full((1, 1), self.u_bias, dtype=m.dtype, device=m.device)
-        return torch.block_diag(m, bias)
-
-    def right(self, x: Tensor) -> Tensor:
-        """``x [..., n_a] -> x U_A`` on the last dimension."""
-        ck = self.u_c.shape[0] * self.u_k.shape[0]
-        out = self.right_w(x[..., :ck])
-        if self.u_bias is None:
-            return out
-        return torch.cat([out, x[..., ck:] * self.u_bias], dim=-1)
-
-
-def kron_a_from_factor(
-    module: nn.Module,
-    a: Tensor,
-    damping: float,
-    dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    *,
-    layer: str = "",
-    record: list[EighFallback] | None = None,
-) -> tuple[KronA, Tensor]:
-    """Channel and kernel factors from the partial traces of ``A [1, n_a, n_a]``.
-
-    Decomposed in ``dtype``; the returned factors are in ``out_dtype`` (the layer's).
-    Decomposition fallbacks are recorded as parts ``"A_C"`` and ``"A_K"`` of ``layer``.
-    """
-    c = int(getattr(module, "in_channels"))  # noqa: B009 (checked by kron_eligible)
-    k = math.prod(int(v) for v in getattr(module, "kernel_size"))  # noqa: B009
-    ck = c * k
-    w = a[0, :ck, :ck].reshape(c, k, c, k)
-    a_c = torch.einsum("ikjk->ij", w) / k
-    a_k = torch.einsum("ikil->kl", w) / c
-    mean_k = torch.diagonal(a_k).mean()
-    if mean_k > 0:  # tr(A_C (x) A_K) = tr(A_C) tr(A_K) = tr(A) with mean eig(A_K) = 1
-        a_k = a_k / mean_k
-    u_c, ev_c = inverse_sqrt_with_spectrum(
-        a_c[None].to(dtype), damping, layer=layer, part="A_C", record=record
-    )
-    u_k, ev_k = inverse_sqrt_with_spectrum(
-        a_k[None].to(dtype), damping, layer=layer, part="A_K", record=record
-    )
-    bias = (1.0 + damping) ** -0.5 if a.shape[-1] > ck else None
-    evals = (ev_c[0][:, None] * ev_k[0][None, :]).reshape(1, -1)
-    return KronA(u_c[0].to(out_dtype), u_k[0].to(out_dtype), bias), evals
-
-
-def low_rank_of(n_a: int, rank_a: int | None) -> int | None:
-    """The rank of a full ``n_a``-wide ``A`` under ``rank_a``; ``None``: it stays dense.
-
-    Low-rank only where it saves work: a row costs ``2 n_a r`` multiply-adds instead of
-    ``n_a^2``. The cost model (:mod:`.cost`) and :meth:`KroneckerPreconditioner.from_probes`
-    share this rule.
-    """
-    return rank_a if rank_a is not None and n_a > 2 * rank_a else None
-
-
-def transform_path_macs(
-    *, positions: int, groups: int, n_a: int, n_g: int, a_row: int, full_g: bool
-) -> tuple[int, int]:
-    r"""Per-sample multiply-adds of a layer's transform on each path, beyond the raw gradient.
-
-    With ``T`` positions, ``G`` groups and one row times ``U_A`` costing ``a_row``:
-
-    * factored (transform the rows, then the outer product): ``T G (a_row + [full G] n_g^2)``;
-    * materialized (outer product, then transform ``g``): ``G ([full G] n_g^2 n_a + n_g a_row)``.
-
-    The one cost model of the transform: :meth:`KroneckerBlock.choose_path` picks the cheaper
-    path with it and :func:`dpkfc_med.curvature.cost.transform_macs` (the refresh schedule and
-    the cost benchmark) counts the path the block picks.
-
-    Returns:
-        ``(factored, materialized)``.
-    """
-    g_mat = int(full_g) * n_g * n_g
-    factored = positions * groups * (a_row + g_mat)
-    materialized = groups * (g_mat * n_a + n_g * a_row)
-    return factored, materialized
-
-
-@dataclass
-class LowRankA:
-    r"""``U_A = c I + V diag(d) V^T`` per group: ``A``'s top ``r`` eigenpairs, the tail at its mean.
-
-    With damped eigenvalues ``lambda_i`` (ascending) and eigenvectors ``v_i`` of ``A``, the
-    top ``r`` directions keep ``lambda_i^{-1/2}`` and the ``n - r`` others share
-    ``c = (mean_{tail} lambda)^{-1/2}``:
-
-    .. math::
-
-        U_A = c I + \sum_{i \in top} (\lambda_i^{-1/2} - c) v_i v_i^\top .
-
-    Attributes:
-        v: ``[G, n_a, r]`` top eigenvectors.
-        d: ``[G, r]`` ``lambda_i^{-1/2} - c``.
-        c: ``[G]`` the tail's inverse square root.
-    """
-
-    v: Tensor
-    d: Tensor
-    c: Tensor
-
-    def __post_init__(self) -> None:
-        n = self.v.shape[1]
-        # (V diag(d))^T, formed once: the second product of a row needs no scaling pass.
-        self.vd_t = (self.v * self.d[:, None]).transpose(-1, -2).contiguous()  # [G, r, n_a]
-        # Row n-1 of U_A (the bias coordinate, when the layer has one): formed once.
-        last = (self.v[:, n - 1, None] @ self.vd_t)[:, 0]
-        last[:, n - 1] += self.c
-        self.last_row = last
-        # one group: c as a Python number (no device sync per product on GPUs)
-        self.c_scalar = float(self.c[0]) if self.c.shape[0] == 1 else None
-
-    @classmethod
-    def from_factor(
-        cls,
-        factor: Tensor,
-        damping: float,
-        rank: int,
-        out_dtype: torch.dtype | None = None,
-        *,
-        layer: str = "",
-        record: list[EighFallback] | None = None,
-        power: float = 0.5,
-        part: str = "A",
-    ) -> tuple[LowRankA, Tensor]:
-        """From ``A [G, n, n]`` (``n > rank``); also returns the eigenvalues ``[G, n]``.
-
-        Decomposed in ``factor``'s dtype; the operator is built in ``out_dtype`` (default the
-        same), once. ``power``: the operator is ``A^{-power}`` on the kept directions and
-        the tail (1/2 for K-FAC; Shampoo's ``R`` takes its exponent ``p``). A decomposition
-        failure falls back as :func:`~dpkfc_med.curvature.linalg.robust_eigh` describes (the
-        last resort gives ``U_A = c I``), recorded in ``record`` as ``part`` of ``layer``.
-        """
-        evals, evecs = robust_eigh(factor, layer=layer, part=part, record=record)
-        lam = evals.clamp_min(0)
-        lam = lam + damping * lam.mean(-1, keepdim=True)
-        # an all-zero factor (a layer the probes do not reach) maps to the identity
-        lam = torch.where(lam > 0, lam, torch.ones_like(lam))
-        n = lam.shape[-1]
-        c = lam[:, : n - rank].mean(-1).pow(-power)
-        d = lam[:, n - rank :].pow(-power) - c[:, None]
-        dt = out_dtype or factor.dtype
-        v = evecs[:, :, n - rank :].to(dt).contiguous()
-        return cls(v, d.to(dt), c.to(dt)), evals
-
-    @property
-    def rank(self) -> int:
-        """``r``."""
-        return int(self.v.shape[-1])
-
-    @property
-    def row_macs(self) -> int:
-        """Multiply-adds to transform one row."""
-        return 2 * self.v.shape[1] * self.rank
-
-    def dense(self) -> Tensor:
-        """``[G, n_a, n_a]`` explicit matrix (tests, small layers)."""
-        eye = torch.eye(self.v.shape[1], dtype=self.v.dtype, device=self.v.device)
-        return self.c[:, None, None] * eye + self.v @ self.vd_t
-
-    def right_w(self, x: Tensor) -> Tensor:
-        """``[x, 0] U_A`` for rows ``x [B, G, m, n_w]``, ``n_w`` = ``n_a`` or ``n_a - 1``.
-
-        With ``n_w = n_a - 1`` the bias coordinate's row (``last_row``) is left out, as
-        ``x U_A[:n_w]`` of a dense ``U_A``.
-        """
-        # one contiguous copy of (possibly strided, unfolded) rows serves both products
-        x = x.contiguous()
-        n_w, v, vd_t = x.shape[-1], self.v, self.vd_t
-        if v.shape[0] == 1:  # 2D factors: one matrix product over all rows, not B of them
-            v, vd_t = v[0], vd_t[0]
-        y = torch.matmul(x, v[..., :n_w, :] if n_w < v.shape[-2] else v)  # [B, G, m, r]
-        out = torch.matmul(y, vd_t)  # [B, G, m, n_a]
-        if self.c_scalar is not None:  # one group: added without a temporary
-            out[..., :n_w].add_(x, alpha=self.c_scalar)
-        else:
-            out[..., :n_w].add_(x * self.c[:, None, None])
-        return out
+    return raw_sq_norms(a, delta, block.dims[1] > a.shape[-1])
 
 
 @dataclass
@@ -529,13 +207,13 @@ class KroneckerBlock:
             if self.u_a.dim() == 2:
                 out = out * self.u_a.unsqueeze(1)
             else:
-                out = _grads_times(out, self.u_a)
+                out = grads_times(out, self.u_a)
         if self.u_g is not None:
             if self.u_g.dim() == 2:
                 out = out * self.u_g.unsqueeze(-1)
             else:
                 # U_G symmetric: U_G X = (X^T U_G)^T, a right product again
-                out = _grads_times(out.transpose(-1, -2), self.u_g).transpose(-1, -2)
+                out = grads_times(out.transpose(-1, -2), self.u_g).transpose(-1, -2)
         return out * self.scale if self.scale != 1.0 else out
 
     def _times_a(
@@ -553,7 +231,7 @@ class KroneckerBlock:
         n_w = x.shape[-1]
         u = self.u_a
         if u is not None and u.dim() == 3:
-            return _grads_times(x, u[:, :n_w] if has_bias else u), None
+            return grads_times(x, u[:, :n_w] if has_bias else u), None
         if self.a_low is not None:
             return self.a_low.right_w(x), None
         c: Tensor | float
@@ -592,7 +270,7 @@ class KroneckerBlock:
         the inputs with the bias coordinate 1 (see :meth:`_times_a` for ``c``; a full or
         low-rank ``U_A``'s bias row is added here).
         """
-        d = _rows_times(delta, self.u_g)
+        d = rows_times(delta, self.u_g)
         d = d * self.scale if self.scale != 1.0 else d
         a_t, c = self._times_a(a, has_bias)
         if has_bias and c is None:
@@ -681,7 +359,7 @@ class KroneckerBlock:
         raw_b = delta.sum(-2) if has_bias else None  # [B, G, n_g]
         raw_sq = None
         if raw_norms > 0:
-            raw_sq = _raw_sq(a[:raw_norms], delta[:raw_norms], has_bias, raw_w)
+            raw_sq = raw_sq_norms(a[:raw_norms], delta[:raw_norms], has_bias, raw_w)
         if raw_w is None:
             # factored: transformed rows, then one product per sample
             d, a_t, c = self._factored_rows(a, delta, has_bias)

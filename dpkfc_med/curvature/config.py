@@ -55,13 +55,14 @@ class PreconditionerConfig:
             wider than ``r`` keeps its top ``r`` eigenpairs and the rest at their mean
             eigenvalue (``c I + V diag(d) V^T``, as ``rank_a`` does for K-FAC's ``A``), so a
             wide layer's transform costs ``2 r n_a`` instead of ``n_a^2`` per row.
-        factors: ``"a"`` (default: activation whitening only), ``"ag"`` or ``"identity"``.
-            The default follows the benchmarks (``benchmarks/results``): on PneumoniaMNIST
-            the probe ``G`` factors are nearly rank-deficient (two classes) and full A+G with
-            ``damping_g=0.1`` collapsed to the majority class, while A-only did not.
+        factors: ``"a"`` (default: activation whitening only, ``g -> s g U_A``), ``"ag"``
+            (``g -> s U_G g U_A``) or ``"identity"`` (``g -> s g``). With few classes the
+            probe ``G`` factors are nearly rank-deficient, so whitening them is fragile; the
+            results behind the default are in ``docs/results.md``.
         damping_a: relative damping of ``A`` (times its mean eigenvalue).
-        damping_g: relative damping of ``G``; the key hyperparameter (1e-3 collapses a
-            binary task to its majority class, 0.1 does not).
+        damping_g: relative damping of ``G`` (times its mean eigenvalue); the key
+            hyperparameter of ``factors="ag"``: the smaller it is, the harder a nearly
+            rank-deficient ``G`` is whitened.
         reduction: ``"expand"`` or ``"reduce"`` for weight-shared positions.
         scaling: ``"global"``, ``"per_layer"``, ``"per_layer_raw"`` or ``"none"`` (see
             :mod:`dpkfc_med.curvature.preconditioner`).
@@ -73,9 +74,9 @@ class PreconditionerConfig:
         max_factor_dim: factors larger than this are diagonal (memory rule).
         eig_dtype: ``"float32"`` (default) or ``"float64"`` for the eigendecompositions
             (factors are summed over probe chunks in this dtype; a float64 model always gets
-            float64 sums and decompositions). float32 is 2-3x faster on CPU; on the small
-            CNN's probe factors (damping 1e-3) transformed per-sample norms differ from
-            float64's by < 0.1 % (``tests/curvature/test_preconditioner.py``).
+            float64 sums and decompositions). On the tests' probe factors (damping 1e-3)
+            float32 keeps transformed per-sample norms within 0.1 % of float64's
+            (``tests/curvature/test_preconditioner.py``).
         max_positions: ``A`` of a convolution with more output positions per probe than this
             averages over this many positions drawn at random (without replacement, seeded by
             the refresh) instead of all of them: the same expectation, and the patch tensor
@@ -89,19 +90,16 @@ class PreconditionerConfig:
             An approximation of the preconditioner that makes the per-sample transform cost
             ``S C^2 + n_g C K^2`` (``U_C`` on the layer input's ``S`` positions before the
             unfold, ``U_K`` on the per-sample gradient) instead of up to ``T (C K)^2``;
-            still probe-only, so the privacy argument is unchanged. Opt-in: its
-            accuracy is in ``benchmarks/results``.
+            still probe-only, so the privacy argument is unchanged. Opt-in (its accuracy
+            and cost: ``docs/results.md``).
         rank_a: ``r`` (default 64) or ``null`` (every full ``U_A`` dense): a full ``A``
             with ``n_a > 2 r`` (where it saves work) keeps its top ``r`` eigenpairs exactly
             and replaces the other eigenvalues by their mean (same trace), so
             ``U_A = c I + V diag(d) V^T`` is stored as ``n_a x r`` instead of ``n_a x n_a``
             and a row costs ``2 n_a r`` multiply-adds instead of ``n_a^2``. An approximation
-            of the preconditioner (the tail is whitened as a whole), still probe-only. The
-            default follows ``benchmarks/results``: test AUROC within seed noise of the dense
-            factor's on the small CNN and the DenseNet (Dice equal on the hippocampus UNet),
-            accuracy too except the small CNN at epsilon 8 (0.816 against 0.855, about two
-            standard errors), and the DenseNet step 0.97-1.10x Opacus' instead of 1.39x
-            (memory 1.02-1.06x instead of 1.16x). Applies to layers ``conv_a="kron"`` does not take.
+            of the preconditioner (the tail is whitened as a whole), still probe-only (its
+            accuracy and cost against the dense factor: ``docs/results.md``). Applies to
+            layers ``conv_a="kron"`` does not take.
         step: ``"transformed"`` (default) or ``"natural"``. ``transformed`` takes the base
             optimizer's step on the privatized sum of ``s U_G g_i U_A`` as it is (signal
             direction ``P g`` with ``P = s U_A (x) U_G``, isotropic noise). ``natural``

@@ -5,7 +5,7 @@ are deterministic: the same model, input size and settings give the same refresh
 every machine, and a run can be reproduced exactly. They drive ``refresh_every="auto"``:
 refresh every ``base * 2^k`` steps, the shortest such period at which the refreshes'
 estimated share of training time stays within the budget. The measured shares are in
-``benchmarks/results/cost_*.md``.
+``docs/results.md`` (the cost tables).
 
 Per covered layer with ``T`` output positions, ``G`` groups and factor sizes ``n_a``/``n_g``
 (the adapter's ``dims``), per sample:
@@ -60,7 +60,8 @@ size)."""
 STEP_MACS_WEIGHT = 2.4
 """A training step's multiply-adds (convolutions, per-sample hooks) run this many times slower
 than the refresh's dense products. Fitted to the measured refresh / step time ratios of the
-three models of ``benchmarks/cost.py`` on 2 CPU threads (``benchmarks/results/cost_cpu.md``)."""
+cost benchmark's three models on 2 CPU threads (``python -m benchmarks cost``,
+``benchmarks/results/cost_cpu.md``)."""
 
 AUTO_REFRESH_BASE = 20
 """Shortest period of ``refresh_every="auto"``; longer ones are this times a power of two."""

@@ -93,7 +93,7 @@ def ghost_path_wins(
     ``G T^2 (n_a + n_g)``, and transforms the rows (``factored``); the per-sample path passes
     the gradient through memory, ``3 G n_a n_g`` elements at :data:`MEMORY_PASS_MACS` each,
     and transforms whichever is cheaper, rows or gradient (``min(factored, materialized)``:
-    :func:`~dpkfc_med.curvature.blocks.transform_path_macs`; both 0 without a
+    :func:`~dpkfc_med.curvature.kernels.transform_path_macs`; both 0 without a
     preconditioner). The outer product is paid on both paths (per sample, or once for the
     batch in the clipped sum). Only shapes enter: the choice never depends on data.
     """

@@ -35,7 +35,7 @@ from dpkfc_med.curvature.adapters import (
     kernel_per_sample_wins,
     supported_layer_types,
 )
-from dpkfc_med.curvature.blocks import grads_sq
+from dpkfc_med.curvature.kernels import grads_sq
 from dpkfc_med.curvature.preconditioner import KroneckerBlock, raw_norms_sq
 from dpkfc_med.privacy.ghost import MAX_GHOST_POSITIONS, Clipping, GhostRows, ghost_path_wins
 from dpkfc_med.utils import check_choice
@@ -68,7 +68,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 SINGLE_CHUNK_ELEMENTS = 1 << 20
 """A layer whose rows for the whole batch have at most this many elements (4 MiB in float32:
 a Linear layer, a small late convolution) is transformed in one chunk: splitting it saves
-no memory worth having and makes its matmuls 2x slower (the small CNN's 512-wide Linear)."""
+no memory worth having and makes its matmuls slower."""
 
 
 CHUNK_ELEMENTS = 1 << 24

@@ -700,15 +700,13 @@ def test_headline_banners_audit_unit_note_and_eig_fallbacks_are_rendered():
 
 
 def test_unit_plurals_and_epoch_counts_read_as_english():
-    from dpkfc_med.report.render import _steps_text, plural
+    from dpkfc_med.report.statements import plural, steps_text
 
     assert plural("image") == "images"
     assert plural("patient/volume") == "patients/volumes"
     assert plural("patient (data.unit_ids)") == "patients (data.unit_ids)"
-    assert (
-        _steps_text({"steps": 3, "planned_steps": 3, "epochs": 1.0}) == "3 of 3 planned (1 epoch)"
-    )
-    assert _steps_text({"steps": 6, "planned_steps": None, "epochs": 2.0}) == "6 (2 epochs)"
+    assert steps_text({"steps": 3, "planned_steps": 3, "epochs": 1.0}) == "3 of 3 planned (1 epoch)"
+    assert steps_text({"steps": 6, "planned_steps": None, "epochs": 2.0}) == "6 (2 epochs)"
 
 
 def test_coverage_shares_are_stated_under_the_covered_layers():
