@@ -26,6 +26,7 @@ from benchmarks.cost_cases import (
     MAX_GRAD_NORM,
     METHODS,
     NOISE_MULTIPLIER,
+    OPACUS_MODES,
     Case,
     PerSampleCE,
     default_kfc_config,
@@ -80,35 +81,26 @@ def setup_method(
     # The engines see a synthetic dataset whose expected batch size is the benchmark batch.
     loader = DataLoader(TensorDataset(x.cpu(), y.cpu()), batch_size=batch)
     engine: Any = None
+    common: dict[str, Any] = {
+        "module": model,
+        "optimizer": opt,
+        "data_loader": loader,
+        "noise_multiplier": NOISE_MULTIPLIER,
+        "max_grad_norm": MAX_GRAD_NORM,
+    }
     if method == "nonprivate":
         net, popt = model, opt
-    elif method == "opacus":
+    elif method in OPACUS_MODES:
         from opacus import PrivacyEngine as OpacusEngine
 
         engine = OpacusEngine(accountant="prv")
-        net, popt, _ = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=loader,
-            noise_multiplier=NOISE_MULTIPLIER,
-            max_grad_norm=MAX_GRAD_NORM,
-            noise_generator=torch.Generator(device=x.device).manual_seed(seed),
-        )
-    elif method == "opacus-ghost":
-        from opacus import PrivacyEngine as OpacusEngine
-
-        engine = OpacusEngine(accountant="prv")
-        # Opacus' two backward passes run inside the criterion's backward()
-        net, popt, loss_fn, _ = engine.make_private(
-            module=model,
-            optimizer=opt,
-            criterion=PerSampleCE(),
-            data_loader=loader,
-            noise_multiplier=NOISE_MULTIPLIER,
-            max_grad_norm=MAX_GRAD_NORM,
-            grad_sample_mode="ghost",
-            noise_generator=torch.Generator(device=x.device).manual_seed(seed),
-        )
+        noise = torch.Generator(device=x.device).manual_seed(seed)
+        if method == "opacus":
+            net, popt, _ = engine.make_private(**common, noise_generator=noise)
+        else:  # Opacus' two backward passes run inside the criterion's backward()
+            net, popt, loss_fn, _ = engine.make_private(
+                **common, criterion=PerSampleCE(), grad_sample_mode="ghost", noise_generator=noise
+            )
     elif method == "dp-sgd" or method.startswith("dp-kfc"):
         from dpkfc_med.privacy.engine import PrivacyEngine
 
@@ -134,14 +126,7 @@ def setup_method(
                 "probe_seed": seed,
             }
         net, popt, _ = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=loader,
-            noise_multiplier=NOISE_MULTIPLIER,
-            max_grad_norm=MAX_GRAD_NORM,
-            delta=DELTA,
-            method="dp-sgd" if method == "dp-sgd" else "dp-kfc",
-            **kwargs,
+            **common, delta=DELTA, method="dp-sgd" if method == "dp-sgd" else "dp-kfc", **kwargs
         )
         if x.is_cuda:
             # The engine seeds a CPU generator, but Opacus draws the noise on the parameters'
