@@ -13,7 +13,13 @@ engine's evaluation exactly:
   its ``imagesTs/`` / ``imagesTr/``), z-scored over its nonzero voxels, padded to at least the
   training patch, predicted with a sliding-window inferer of that patch (overlap
   ``SW_OVERLAP``), the padding inverted, the argmax written as ``PRED/{name}_seg.nii.gz`` with
-  the input's affine.
+  the input's affine;
+* 2D segmentation: the same for each 2-D image of the folder (or of its ``imagesTs/`` /
+  ``imagesTr/`` / ``images/``): NIfTI (``(X, Y)`` or ``(X, Y, 1)``, written back as ``(X, Y)``)
+  or PNG / JPEG / TIFF / BMP (read with MONAI's ``PILReader``, the label map written as
+  ``PRED/{name}_seg.png``);
+* a 2D network trained on slices of volumes (``data.slices``): each NIfTI volume padded in-plane
+  and predicted slice by slice across the slice axis (``SliceInferer``), written as a volume.
 """
 
 from __future__ import annotations
@@ -164,36 +170,80 @@ def _classification(
 def _segmentation(
     cfg: Any, task: Mapping[str, Any], network_def: Mapping[str, Any]
 ) -> dict[str, Any]:
+    from dpkfc_med.data.images2d import IMAGE_SUFFIXES as _PICTURES
     from dpkfc_med.training.segmentation import SW_OVERLAP
 
     patch = [int(s) for s in task["spatial_shape"]]
-    out = _common(network_def, "REQUIRED: --dataset_dir FOLDER of NIfTI images")
+    axis = getattr(getattr(cfg.data, "slices", None), "axis", None)
+    images_2d = int(task["spatial_dims"]) == 2 and axis is None
+    what = "NIfTI images" + (" (or PNG / JPEG)" if images_2d else "")
+    out = _common(network_def, f"REQUIRED: --dataset_dir FOLDER of {what}")
+    kinds = "NIfTI image (*.nii, *.nii.gz" + (", *.png, *.jpg, ..." if images_2d else "") + ")"
     missing = (
-        "FileNotFoundError('no NIfTI image (*.nii, *.nii.gz) in ' + str(@dataset_dir) + "
+        f"FileNotFoundError('no {kinds} in ' + str(@dataset_dir) + "
         "' nor in its imagesTs/ or imagesTr/: pass --dataset_dir FOLDER')"
     )
+    # NIfTI first; a 2D network also reads pictures (one kind per folder)
+    patterns = "('*.nii*',)" + (
+        " + tuple('*' + e for e in " + repr(_PICTURES) + ")" if images_2d else ""
+    )
+    subs = "('', 'imagesTs', 'imagesTr'" + (", 'images'" if images_2d else "") + ")"
+    pad: Any = "@patch_size"
+    if axis is not None:  # slices: pad in-plane only (-1 keeps the slice axis)
+        pad = list(patch)
+        pad.insert(int(axis), -1)
+    load: list[dict[str, Any]] = [
+        {
+            "_target_": "LoadImaged",
+            "keys": "image",
+            "reader": "@reader" if images_2d else "NibabelReader",
+            "image_only": True,
+        },
+        {"_target_": "EnsureChannelFirstd", "keys": "image"},
+    ]
+    if images_2d:
+        # a 2-D image stored as NIfTI (X, Y, 1): drop the size-1 axis, and from the header's
+        # spatial_shape too (SaveImaged would otherwise write the label map as (1, X, Y))
+        load.append(
+            {
+                "_target_": "Lambdad",
+                "keys": "image",
+                "func": (
+                    "$lambda x: (lambda y: y.meta.update(spatial_shape=numpy.asarray("
+                    "y.shape[1:])) or y)(monai.transforms.SqueezeDim(dim=x.ndim - 1)(x)) "
+                    "if x.ndim == 4 and x.shape[-1] == 1 else x"
+                ),
+            }
+        )
+    inferer: dict[str, Any] = {
+        "_target_": "SlidingWindowInferer",
+        "roi_size": "@patch_size",
+        "sw_batch_size": "@sw_batch_size",
+        "overlap": SW_OVERLAP,
+    }
+    if axis is not None:
+        inferer = {**inferer, "_target_": "SliceInferer", "spatial_dim": int(axis)}
+    out["imports"] = [*out["imports"], "$import monai"]
     out.update(
         {
             "patch_size": patch,
             "sw_batch_size": int(cfg.training.eval_batch_size),
             "nifti_files": (
-                "$[sorted(p for p in glob.glob(os.path.join(@dataset_dir, sub, '*.nii*')) "
-                "if not os.path.basename(p).startswith('.')) for sub in ('', 'imagesTs', "
-                "'imagesTr')]"
+                "$[sorted(p for pat in " + patterns + " for p in glob.glob(os.path.join("
+                "@dataset_dir, sub, pat)) if not os.path.basename(p).startswith('.')) for sub "
+                "in " + subs + "]"
             ),
             "datalist": (
                 f"$next((f for f in @nifti_files if f), None) or (_ for _ in ()).throw({missing})"
             ),
+            "reader": (
+                f"$'PILReader' if @datalist[0].lower().endswith({_PICTURES!r}) else 'NibabelReader'"
+            ),
+            "output_ext": "$'.png' if @reader == 'PILReader' else '.nii.gz'",
             "preprocessing": {
                 "_target_": "Compose",
                 "transforms": [
-                    {
-                        "_target_": "LoadImaged",
-                        "keys": "image",
-                        "reader": "NibabelReader",
-                        "image_only": True,
-                    },
-                    {"_target_": "EnsureChannelFirstd", "keys": "image"},
+                    *load,
                     {
                         "_target_": "EnsureTyped",
                         "keys": "image",
@@ -207,7 +257,7 @@ def _segmentation(
                         "nonzero": True,
                         "channel_wise": True,
                     },
-                    {"_target_": "SpatialPadd", "keys": "image", "spatial_size": "@patch_size"},
+                    {"_target_": "SpatialPadd", "keys": "image", "spatial_size": pad},
                 ],
             },
             "dataset": {
@@ -215,12 +265,7 @@ def _segmentation(
                 "data": "$[{'image': f} for f in @datalist]",
                 "transform": "@preprocessing",
             },
-            "inferer": {
-                "_target_": "SlidingWindowInferer",
-                "roi_size": "@patch_size",
-                "sw_batch_size": "@sw_batch_size",
-                "overlap": SW_OVERLAP,
-            },
+            "inferer": inferer,
             "postprocessing": {
                 "_target_": "Compose",
                 "transforms": [
@@ -238,7 +283,7 @@ def _segmentation(
                         "keys": "pred",
                         "output_dir": "@output_dir",
                         "output_postfix": "seg",
-                        "output_ext": ".nii.gz",
+                        "output_ext": "@output_ext",
                         "output_dtype": "$numpy.uint8",
                         "resample": False,
                         "separate_folder": False,

@@ -762,7 +762,7 @@ def segmentation_transforms(
     centre crop with ``eval_center_crop``. With ``slices`` the volume is normalised whole, then
     training takes the rule's slices of a draw (:class:`~dpkfc_med.data.slices.RandSlicesd`),
     each padded to the 2D ``spatial_size`` and cropped to it at a random position; evaluation
-    keeps the whole volume (a slice-by-slice inferer predicts it).
+    keeps the whole volume, padded in-plane (a slice-by-slice inferer predicts it).
 
     Args:
         spatial_size: Patch size ``(X, Y, Z)`` or ``(X, Y)`` (an int means a cube).
@@ -853,6 +853,10 @@ def segmentation_transforms(
                 SpatialPadd(keys=keys, spatial_size=size),
                 RandSpatialCropd(keys=keys, roi_size=size, random_size=False),
             ]
+        else:  # in-plane padding only (-1 keeps the slice axis)
+            whole = [int(v) for v in size]
+            whole.insert(slices.axis, -1)
+            steps.append(SpatialPadd(keys=keys, spatial_size=whole))
         return Compose(steps)
     steps.append(SpatialPadd(keys=keys, spatial_size=size))
     if train:
