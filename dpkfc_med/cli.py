@@ -148,7 +148,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bundle",
         help="MONAI bundles of finished runs (see docs/bundles.md)",
-        description="MONAI bundles: `bundle export RUN_DIR OUT_DIR` writes a self-contained "
+        description="MONAI bundles: `bundle train BUNDLE_DIR --epsilon E` trains a bundle in the "
+        "Model Zoo layout privately; `bundle export RUN_DIR OUT_DIR` writes a self-contained "
         "inference bundle of a finished run.",
     )
     bsub = b.add_subparsers(dest="bundle_command", required=True)
@@ -162,6 +163,37 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     x.add_argument("run_dir")
     x.add_argument("out_dir", help="the bundle folder to create (new or empty)")
+    t = bsub.add_parser(
+        "train",
+        help="train a bundle in the MONAI Model Zoo layout privately (its network, loss, "
+        "optimizer, transforms and data list)",
+        description="Train BUNDLE_DIR's configs/train.json privately through the private engine: "
+        "network_def made DP-compatible, the loss per sample, Poisson sampling of units (one item "
+        "of train#dataset, or all items sharing --unit-key), validate#evaluator as custodian-only "
+        "evaluation. Probe shapes come from configs/metadata.json's network_data_format.",
+    )
+    t.add_argument("bundle_dir")
+    t.add_argument("--epsilon", type=float, required=True, help="target epsilon of the run")
+    t.add_argument("--delta", type=float, default=None, help="target delta (default: 1e-5 rule)")
+    t.add_argument("--method", default="dp-kfc", help="dp-kfc (default), dp-sgd or nonprivate")
+    t.add_argument("--unit-key", default=None, help="data-list key of the unit (patient) id")
+    t.add_argument("--out", default=None, help="run directory (default runs/<bundle name>)")
+    t.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="ID=VALUE",
+        help="set a bundle config id (MONAI '#' ids, e.g. train#trainer#max_epochs=5)",
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="settings",
+        metavar="KEY=VALUE",
+        help="set a private-run field (e.g. privacy.max_grad_norm=0.5, training.eval_every=2)",
+    )
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
     return p
 
 
@@ -377,6 +409,23 @@ def _federated(args: argparse.Namespace) -> int:
 def _bundle(args: argparse.Namespace) -> int:
     from dpkfc_med.bundle import export_bundle
 
+    if args.bundle_command == "train":
+        from dpkfc_med.bundle.zoo import train_bundle
+
+        result = train_bundle(
+            args.bundle_dir,
+            epsilon=args.epsilon,
+            delta=args.delta,
+            method=args.method,
+            unit_key=args.unit_key,
+            out=args.out,
+            overrides=args.override,
+            settings=args.settings,
+            resume=args.resume,
+        )
+        eps = "no privacy" if result.epsilon is None else f"epsilon {result.epsilon:.3f}"
+        print(f"run {result.status}: {eps}; report: {result.run_dir / 'privacy_report.md'}")
+        return 0
     out = export_bundle(args.run_dir, args.out_dir)
     print(f"bundle: {out}")
     print(

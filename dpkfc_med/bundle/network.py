@@ -27,10 +27,19 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["FALLBACK_TARGET", "NetworkDefinition", "build_network", "network_definition"]
+__all__ = [
+    "BUNDLE_FALLBACK_TARGET",
+    "FALLBACK_TARGET",
+    "NetworkDefinition",
+    "build_bundle_network",
+    "build_network",
+    "network_definition",
+]
 
 FALLBACK_TARGET = "dpkfc_med.bundle.build_network"
 """``_target_`` of a network that plain MONAI cannot rebuild (needs ``dpkfc-med``)."""
+BUNDLE_FALLBACK_TARGET = "dpkfc_med.bundle.network.build_bundle_network"
+"""``_target_`` of a training bundle's network that plain MONAI cannot rebuild."""
 
 _GROUP_RE = re.compile(r"^GroupNorm\((\d+), (\d+),")
 _INSTANCE_RE = re.compile(r"^InstanceNorm[123]d\(.*affine=True")
@@ -88,6 +97,24 @@ def build_network(
         spatial_shape=tuple(spatial_shape),
     )
     model, _ = build_run_model(cfg, cast(Any, task))
+    return model
+
+
+def build_bundle_network(network_def: dict[str, Any] | nn.Module, norm: str = "group") -> nn.Module:
+    """Build a training bundle's ``network_def`` with the fixes the private engine applied.
+
+    The ``network_def`` target of a ``dpkfc-med bundle train`` run whose BatchNorm replacements
+    MONAI's ``norm`` argument cannot express (different group counts per layer).
+    """
+    from monai.bundle import ConfigParser
+
+    from dpkfc_med.models import make_private_compatible
+
+    if isinstance(network_def, nn.Module):  # MONAI's parser built the inner _target_ already
+        raw = network_def
+    else:
+        raw = ConfigParser({"net": copy.deepcopy(network_def)}).get_parsed_content("net")
+    model, _ = make_private_compatible(raw, norm=norm)
     return model
 
 
@@ -202,6 +229,8 @@ def network_definition(
     """
     from dpkfc_med.models import build_model, make_private_compatible
 
+    if "network_def" in (model.get("kwargs") or {}):
+        return _bundle_network(model, task, state_dict)
     args = {
         "name": model["name"],
         "spatial_dims": int(task["spatial_dims"]),
@@ -257,4 +286,47 @@ def network_definition(
         False,
         f"built by {FALLBACK_TARGET} (needs `pip install dpkfc-med`): {why}, so plain MONAI "
         "cannot rebuild the trained (private-compatible) architecture",
+    )
+
+
+def _bundle_network(
+    model: dict[str, Any], task: dict[str, Any], state_dict: dict[str, Any] | None
+) -> NetworkDefinition:
+    """The ``network_def`` of a run trained from a MONAI bundle (``dpkfc-med bundle train``).
+
+    The bundle's own definition with the BatchNorm fix expressed as MONAI's ``norm`` argument,
+    checked like a registry network; there is no fallback builder for a bundle's network.
+    """
+    from monai.bundle import ConfigParser
+
+    from dpkfc_med.models import make_private_compatible
+
+    definition = copy.deepcopy(model["kwargs"]["network_def"])
+    raw = ConfigParser({"net": copy.deepcopy(definition)}).get_parsed_content("net")
+    reference, fixes = make_private_compatible(raw, norm=model.get("norm", "group"))
+    if state_dict is not None:
+        reference.load_state_dict(state_dict, strict=True)
+    norm, why = _norm_argument(fixes)
+    if norm is not None and why is None:
+        definition["norm"] = norm
+    if why is None:
+        shape = (int(task["in_channels"]), *(int(s) for s in task["spatial_shape"]))
+        why = _same_network(definition, reference, shape)
+    if why is not None:
+        return NetworkDefinition(
+            {
+                "_target_": BUNDLE_FALLBACK_TARGET,
+                "network_def": model["kwargs"]["network_def"],
+                "norm": model.get("norm", "group"),
+            },
+            False,
+            f"built by {BUNDLE_FALLBACK_TARGET} (needs `pip install dpkfc-med`): the training "
+            f"bundle's network_def with the engine's private-compatibility fixes ({why})",
+        )
+    return NetworkDefinition(
+        definition,
+        True,
+        f"the training bundle's network_def ({definition['_target_']})"
+        + (" with BatchNorm replaced through its norm argument" if norm else "")
+        + "; checked to load the trained weights strictly and to reproduce the engine's outputs",
     )

@@ -140,6 +140,9 @@ class PrivateTrainer(SupervisedTrainer):
         precision: The forward pass's precision (``bf16``/``fp16`` autocast on CUDA).
         epoch_length: Iterations per epoch (default ``len(train_data_loader)``).
         train_handlers: Handlers with an ``attach(engine)`` method.
+        decollate: Split ``engine.state.output`` into per-sample dictionaries after each step,
+            as MONAI's trainers do by default (a bundle's handlers expect it); the step's mean
+            loss and sample count are always in ``engine.state.step_loss`` / ``step_samples``.
         **kwargs: Passed to ``SupervisedTrainer`` (``inferer``, ``key_train_metric``, ...).
     """
 
@@ -157,6 +160,7 @@ class PrivateTrainer(SupervisedTrainer):
         precision: Precision = Precision.FLOAT32,
         epoch_length: int | None = None,
         train_handlers: Sequence[Any] | None = None,
+        decollate: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -167,7 +171,7 @@ class PrivateTrainer(SupervisedTrainer):
             optimizer=optimizer,
             loss_function=per_sample_loss,
             epoch_length=epoch_length,
-            decollate=False,  # the handlers read whole batches
+            decollate=decollate,
             optim_set_to_none=True,
             event_names=[PrivacyEvents],
             **kwargs,
@@ -179,6 +183,8 @@ class PrivateTrainer(SupervisedTrainer):
         self.precision = precision
         self.nonprivate_steps = 0  # steps of a non-private run (the private ones: the ledger)
         self.state.stop_error = None
+        self.state.step_loss = float("nan")  # the last step's mean per-sample loss
+        self.state.step_samples = 0  # and its number of samples (crops, images)
         if train_handlers:
             self._register_handlers(train_handlers)
 
@@ -202,7 +208,8 @@ class PrivateTrainer(SupervisedTrainer):
         self.state.output = output
         self.network.train()
         self.optimizer.zero_grad(set_to_none=True)
-        if len(x) == 0:
+        ran = len(x) > 0
+        if not ran:  # no model ran: no model events (and nothing to decollate)
             output[Keys.LOSS] = torch.tensor(float("nan"))
             if self.private:
                 noise_only_step(self.optimizer)
@@ -223,7 +230,10 @@ class PrivateTrainer(SupervisedTrainer):
             self.optimizer.step()
         if not self.private:
             self.nonprivate_steps += 1
-        self.fire_event(IterationEvents.MODEL_COMPLETED)
+        self.state.step_loss = float(output[Keys.LOSS])
+        self.state.step_samples = len(x)
+        if ran:
+            self.fire_event(IterationEvents.MODEL_COMPLETED)
         return output
 
     def run(self) -> None:  # type: ignore[override]

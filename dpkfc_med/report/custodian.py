@@ -299,4 +299,15 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
                 "guarantee (it is assumed public).",
             )
         )
+    logged = (data.get("bundle") or {}).get("custodian_handlers") or []
+    if logged:
+        items.append(
+            (
+                "what the bundle's own handlers logged",
+                f"What the bundle's own handlers ({', '.join(logged)}) logged during training "
+                "(e.g. the un-noised training loss) is computed from the private records without "
+                "noise and is not covered; it stays with the data custodian "
+                f"({PRIVATE_DIR}/ and the console).",
+            )
+        )
     return items

@@ -23,7 +23,7 @@ import copy
 import logging
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,8 @@ def train(
     instrument: Callable[[PrivacyEngine, Any], None] | None = None,
     task: Task | None = None,
     network: tuple[nn.Module, list[dict[str, Any]]] | None = None,
+    handlers: Sequence[Any] = (),
+    decollate: bool = False,
 ) -> RunResult:
     """Run the configured training end to end and write the run directory.
 
@@ -156,6 +158,10 @@ def train(
             :mod:`dpkfc_med.bundle.zoo`); default :func:`~.tasks.build_task` of ``cfg``.
         network: ``(model, fixes)``, the DP-compatible network built elsewhere with its fixes;
             default :func:`~.setup.build_run_model` of ``cfg``.
+        handlers: more handlers for the trainer (MONAI's ``StatsHandler``, ...), attached after
+            the run's own; what they record from private data is the custodian's.
+        decollate: per-sample ``engine.state.output`` (MONAI's default; a bundle's handlers
+            expect it).
 
     Returns:
         :class:`RunResult` with the status, epsilon and final metrics.
@@ -201,7 +207,9 @@ def train(
         run.run_log.pretrain = pretrain(cfg, task, model, device)
     if cfg.training.ema_decay is not None:  # copied before any wrapper hooks the model
         run.average = WeightAverage(model, cfg.training.ema_decay)
-    run.trainer = _build_trainer(run, opening, batch, steps_per_epoch, instrument)
+    run.trainer = _build_trainer(run, opening, batch, steps_per_epoch, instrument, decollate)
+    for handler in handlers:
+        handler.attach(run.trainer)
     # ---------------------------------------------------------------- 3. train
     trainer = run.trainer
     reporter = PrivacyReportHandler(lambda status, ev: _finish(run, status, ev), run.finished)
@@ -231,6 +239,7 @@ def _build_trainer(
     batch: int,
     steps_per_epoch: int,
     instrument: Callable[[PrivacyEngine, Any], None] | None,
+    decollate: bool = False,
 ) -> PrivateTrainer:
     """The private (or plain) mechanism wired into a trainer with the run's handlers."""
     cfg, task, model, device, plan = run.cfg, run.task, run.model, run.device, run.plan
@@ -289,6 +298,7 @@ def _build_trainer(
         precision=run.precision,
         epoch_length=steps_per_epoch,
         train_handlers=handlers,
+        decollate=decollate,
     )
     if opening.kind == "checkpoint":
         checkpointer.restore(trainer, opening.previous, ledger_path)

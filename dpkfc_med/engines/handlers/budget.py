@@ -51,8 +51,10 @@ class PrivacyBudgetHandler:
             engine.terminate_epoch()
 
     def track(self, engine: Any) -> None:
-        """After a noisy step: the bar's epsilon, and the exact one on the grid and at the
-        epoch's last step (shown on the bar before the epoch closes)."""
+        """After a noisy step: the bar's epsilon, and the exact one on the grid.
+
+        The epoch's last step lists its exact epsilon too, shown before the bar closes.
+        """
         length = engine.state.epoch_length
         epoch_end = bool(length) and engine.state.iteration % length == 0
         pe = engine.privacy_engine

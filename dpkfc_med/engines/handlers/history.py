@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ignite.engine import Events
-from monai.utils.enums import CommonKeys as Keys
 
 __all__ = ["HistoryHandler", "RunLog"]
 
@@ -70,8 +69,7 @@ class HistoryHandler:
 
     def __call__(self, engine: Any) -> None:
         """Record the step just taken."""
-        loss = engine.state.output.get(Keys.LOSS)
         self.log.history["step"].append(engine.steps_taken)
-        self.log.history["loss"].append(float(loss) if loss is not None else float("nan"))
+        self.log.history["loss"].append(engine.state.step_loss)
         if engine.private and engine.optimizer.last_diagnostics.batch_units:
             self.log.diag.append(engine.optimizer.last_diagnostics.as_dict())

@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from ignite.engine import Events
-from monai.utils.enums import CommonKeys as Keys
 
 from dpkfc_med.engines.handlers.history import RunLog
 from dpkfc_med.engines.trainer import PrivacyEvents
@@ -53,9 +52,8 @@ class ProgressBarHandler:
 
     def update(self, engine: Any) -> None:
         """One step done."""
-        out = engine.state.output
-        self.seen += len(out[Keys.IMAGE])
-        loss = float(out[Keys.LOSS])
+        self.seen += engine.state.step_samples
+        loss = engine.state.step_loss
         rate = self.seen / max(time.perf_counter() - self.t0, 1e-9)
         if self.bar is not None:
             self.bar.set_postfix(

@@ -63,7 +63,7 @@ class EpochSelectionHandler:
         history["val_epoch"].append(epoch)
         history["val_metric"].append(value)
         name = history["val_metric_name"]
-        engine.state.metrics[f"val_{name}"] = value
+        engine.state.metrics[name if name.startswith("val") else f"val_{name}"] = value
         log.info("epoch %d: val %s = %.4f", epoch, name, value)
         latest = self.select_epoch == "last"
         if latest or not (value <= best["metric"]):  # nan-safe: first is kept
