@@ -323,6 +323,36 @@ def test_layout_mistakes_exit_2_naming_the_field_or_file(
     assert not (out / "run.json").exists()
 
 
+def test_images_with_different_channels_are_refused_naming_the_files(tmp_path, capsys):
+    from PIL import Image
+
+    folder = png_folder(tmp_path / "p", n=6)
+    Image.fromarray(np.zeros((24, 20, 3), np.uint8)).save(folder / "images" / "case4.png")
+    sets = _sets([*TINY, *FOLDER_2D])
+    code = main(
+        ["train", str(CONFIG), "--out", str(tmp_path / "run"), "--data", str(folder), *sets]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "cases have different channel counts" in err, err
+    assert "3 channel(s): case4.png" in err
+
+
+def test_every_slice_makes_the_count_per_patient_a_private_fact(tmp_path):
+    """per_unit: null: a volume's samples are all its slices; the bound is not published."""
+    from dpkfc_med.training.config import load_config
+    from dpkfc_med.training.segmentation import build_segmentation_task
+
+    cfg = load_config(CONFIG, [*TINY, "data.slices.per_unit=null", f"output.dir={tmp_path}"])
+    task = build_segmentation_task(cfg)
+    depths = [task.extra["cases"][c].shape[2] for c in task.extra["split_ids"]["train"]]
+    assert not task.max_samples_public and task.max_samples_per_unit == max(depths)
+    item = task.train_set[0]
+    assert item["image"].shape == (depths[0], 1, 44, 56)
+    batch = task.extra["collate"]([task.train_set[0], task.train_set[1]])
+    x, y, units = task.unpack(batch)
+    assert units.tolist() == [0] * depths[0] + [1] * depths[1] and y.shape == (len(x), 44, 56)
+
+
 def test_slices_are_refused_for_classification():
     from dpkfc_med.training.config import ConfigError, config_from_dict
     from dpkfc_med.training.tasks import build_task
