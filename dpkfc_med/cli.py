@@ -313,7 +313,8 @@ def _train(args: argparse.Namespace) -> int:
             print(f"test {key}: {test[key]:.4f}")
     if test.get("hd95_per_class"):
         parts = ", ".join(f"{k} {v:.2f}" for k, v in test["hd95_per_class"].items())
-        print(f"test Hausdorff-95 (mm): {parts}")
+        unit = str(test.get("hd95_unit") or "mm").split()[0]  # mm, or pixels for PNG
+        print(f"test Hausdorff-95 ({unit}): {parts}")
     print(f"report: {result.run_dir / 'privacy_report.md'}")
     return 0
 
