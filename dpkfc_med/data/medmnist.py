@@ -37,7 +37,6 @@ quick runs.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib.util
 import re
@@ -64,6 +63,7 @@ from dpkfc_med.data.classes import (
 from dpkfc_med.data.errors import DataValidationError
 from dpkfc_med.data.paths import sha256_file
 from dpkfc_med.data.units import as_unit_id_strings, unit_id_array_problems
+from dpkfc_med.utils import did_you_mean
 
 __all__ = [
     "CLASSES_KEY",
@@ -356,8 +356,7 @@ def load_medmnist(
 
     info_table = medmnist_info()
     if flag is not None and flag not in info_table and info_table:
-        close = difflib.get_close_matches(flag, list(info_table), n=3)
-        hint = f"; did you mean {' / '.join(close)}?" if close else ""
+        hint = did_you_mean(flag, info_table)
         raise ValueError(f"load_medmnist: flag={flag!r} is not a medmnist.INFO key{hint}")
     flag = flag or _flag_from_stem(path.stem, info_table)
     info = info_table.get(flag) if flag else None

@@ -18,7 +18,6 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -26,8 +25,14 @@ import yaml
 
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.methods import METHODS, Method
+from dpkfc_med.models.finetune import FinetuneMode
+from dpkfc_med.models.fix import NormChoice
+from dpkfc_med.privacy.accounting import Accountant
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
+from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
+from dpkfc_med.training.precision import Precision
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -52,26 +57,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str], source: str = "config") -> None:
         self.problems = problems
         super().__init__(f"config error in {source}:\n  " + "\n  ".join(problems))
-
-
-class Method(str, Enum):
-    """Training methods of the pipeline."""
-
-    NONPRIVATE = "nonprivate"
-    DP_SGD = "dp-sgd"
-    DP_KFC = "dp-kfc"
-    DP_KFC_WHITE = "dp-kfc-white"
-    DP_KFC_PUBLIC = "dp-kfc-public"
-
-    @property
-    def private(self) -> bool:
-        """Whether the method gives a DP guarantee."""
-        return self is not Method.NONPRIVATE
-
-    @property
-    def preconditioned(self) -> bool:
-        """Whether the method uses a Kronecker preconditioner."""
-        return self in (Method.DP_KFC, Method.DP_KFC_WHITE, Method.DP_KFC_PUBLIC)
 
 
 @dataclass
@@ -410,21 +395,21 @@ class RunConfig:
 
 
 _CHOICES: dict[str, list[str]] = {
-    "method": [m.value for m in Method],
+    "method": list(METHODS),
     "data.task": ["classification", "segmentation"],
     "data.slices.pick": ["random", "even"],
     "training.optimizer": ["sgd", "adam", "adambc"],
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
-    "training.precision": ["float32", "bf16"],
+    "training.precision": [p.value for p in Precision],
     "training.select_epoch": ["best_val", "last"],
-    "privacy.accountant": ["prv", "rdp"],
-    "privacy.clipping": ["auto", "ghost", "per_sample"],
+    "privacy.accountant": [a.value for a in Accountant if a is not Accountant.PLD],
+    "privacy.clipping": [c.value for c in Clipping],
     # white probes are the method dp-kfc-white (one way to ask for them)
     "probes.kind": [k.value for k in NoiseKind if k is not NoiseKind.WHITE],
     "probes.target": [t.value for t in TargetRule],
-    "model.norm": ["group", "instance"],
-    "training.finetune": ["full", "last_layers", "norms_and_biases", "lora"],
+    "model.norm": [n.value for n in NormChoice],
+    "training.finetune": [m.value for m in FinetuneMode],
 }
 _POSITIVE = {
     "privacy.target_epsilon",
@@ -565,14 +550,14 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
         f"probes.{msg}"
         for msg in refresh_settings_problems(cfg.probes.refresh_every, cfg.probes.refresh_budget)
     )
-    if cfg.method == Method.DP_KFC_PUBLIC.value and not cfg.probes.public_data:
+    if cfg.method_enum.public_data and not cfg.probes.public_data:
         problems.append(
             "probes.public_data: required for method dp-kfc-public (path to a public .npz)"
         )
     if (
         cfg.training.optimizer == "adambc"
         and cfg.preconditioner.get("step") == "natural"
-        and cfg.method.startswith("dp-kfc")
+        and cfg.method_enum.preconditioned
     ):
         problems.append(
             "preconditioner.step='natural' with training.optimizer='adambc': "

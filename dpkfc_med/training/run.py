@@ -341,7 +341,7 @@ def _make_private(
         noise_multiplier=plan["noise_multiplier"],
         max_grad_norm=cfg.privacy.max_grad_norm,
         delta=plan["delta"],
-        method="dp-sgd" if method is Method.DP_SGD else "dp-kfc",
+        method=method.mechanism,
         max_steps=plan["planned_steps"],
         backward_reduction="sum",  # per-sample errors exact whatever the batch size
         ledger_path=None if opening.previous is not None else run.run_dir / LEDGER,

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpkfc_med.methods import Method
 from dpkfc_med.privacy.selection import TrialCount, TuningPlan, plan_tuning
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.numbers import format_epsilon
@@ -72,7 +73,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
             problems.append(f"--grid {item!r}: use KEY=V1,V2,... (e.g. training.lr=0.05,0.1)")
             continue
         fixed = key.startswith(_FIXED_PREFIXES) and key not in _FIXED_ALLOWED
-        if fixed or key == "method" and "nonprivate" in choices:
+        if fixed or key == "method" and Method.NONPRIVATE.value in choices:
             problems.append(
                 f"--grid {key}: every trial must run the same private mechanism (sample rate, "
                 "steps, units, delta) for the tuning's bound to hold; tune the learning rate, "

@@ -114,7 +114,7 @@ def test_info_metadata_declares_range(write_npz, make_arrays) -> None:
         load_medmnist(path)
     # An explicit num_classes overrides the metadata.
     assert load_medmnist(path, num_classes=3).num_classes == 3
-    with pytest.raises(ValueError, match="did you mean pneumoniamnist"):
+    with pytest.raises(ValueError, match="did you mean 'pneumoniamnist'"):
         load_medmnist(path, flag="pneumonimnist")
 
 
