@@ -172,3 +172,24 @@ def test_items_sharing_the_unit_key_form_one_unit(data_dir):
     assert batch["unit"].tolist() == [0, 0, 0, 0]  # 2 items x 2 crops
     with pytest.raises(Exception, match="--unit-key 'visit'"):
         prepare_bundle(BUNDLE, epsilon=8, unit_key="visit", overrides=[f"dataset_dir={data_dir}"])
+
+
+def test_monai_bundle_run_with_the_private_overlay(bundle, data_dir, tmp_path):
+    """``python -m monai.bundle run`` with pipelines/private_overlay.json merged on top."""
+    from monai.bundle import run
+
+    overlay = Path(__file__).parents[2] / "pipelines" / "private_overlay.json"
+    out = tmp_path / "run"
+    run(
+        run_id="run",
+        config_file=[str(bundle / "configs" / "train.json"), str(overlay)],
+        bundle_root=str(bundle),
+        **{
+            "dpkfc_med#out": str(out),
+            "dpkfc_med#override": [*_overrides(data_dir, num_train=2), "validate#dataset#data=$[]"],
+            "dpkfc_med#set": ["training.progress=false", "training.eval_every=5"],
+        },
+    )
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["status"] == "complete"
+    assert 7.0 < report["privacy"]["epsilon"]["prv"] <= 8.0
