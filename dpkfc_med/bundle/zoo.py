@@ -223,7 +223,7 @@ class _UnitCollate:
 
 def _network_format(parser: Any, overrides: dict[str, Any]) -> dict[str, Any]:
     """Probe shape, channels and classes: metadata ``network_data_format`` or overrides."""
-    fmt = {}
+    fmt: dict[str, Any] = {}
     try:
         fmt = parser.get("_meta_#network_data_format") or {}
     except (KeyError, AttributeError):
@@ -559,4 +559,6 @@ def _plain_config(value: Any) -> Any:
 def _fix_dict(fix: Any) -> dict[str, Any]:
     import dataclasses
 
-    return dataclasses.asdict(fix) if dataclasses.is_dataclass(fix) else dict(fix)
+    if dataclasses.is_dataclass(fix) and not isinstance(fix, type):
+        return dataclasses.asdict(fix)
+    return dict(fix)

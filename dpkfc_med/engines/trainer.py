@@ -197,7 +197,7 @@ class PrivateTrainer(SupervisedTrainer):
     def steps_taken(self) -> int:
         """Optimizer steps taken so far, earlier runs of a resumed run included."""
         if self.private:
-            return int(self.optimizer.steps_taken)
+            return int(self.optimizer.steps_taken)  # type: ignore[attr-defined]
         return self.nonprivate_steps
 
     def _iteration(self, engine: Any, batchdata: Any) -> dict[str, Any]:
@@ -226,7 +226,7 @@ class PrivateTrainer(SupervisedTrainer):
             (per_sample.sum() if self.private else per_sample.mean()).backward()
             self.fire_event(IterationEvents.BACKWARD_COMPLETED)
             if units is not None and self.private:
-                self.optimizer.set_unit_ids(units.to(device))
+                self.optimizer.set_unit_ids(units.to(device))  # type: ignore[attr-defined]
             self.optimizer.step()
         if not self.private:
             self.nonprivate_steps += 1

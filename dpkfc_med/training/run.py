@@ -341,7 +341,7 @@ def _make_private(
         noise_multiplier=plan["noise_multiplier"],
         max_grad_norm=cfg.privacy.max_grad_norm,
         delta=plan["delta"],
-        method=method.mechanism,
+        method=method.mechanism or method,  # private methods always have one
         max_steps=plan["planned_steps"],
         backward_reduction="sum",  # per-sample errors exact whatever the batch size
         ledger_path=None if opening.previous is not None else run.run_dir / LEDGER,
