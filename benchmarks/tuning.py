@@ -361,7 +361,7 @@ def _paired(data: dict[str, Any], name: str) -> list[str]:
                 m, s = mean_std(diff)
                 out.append(
                     f"- total epsilon {eps:g}: accounted - {other}, test "
-                    f"{name.replace('_', ' ')} {m:+.3f} +- {s:.3f} (paired, {len(diff)} seeds)"
+                    f"{name.replace('_', ' ')} {m:+.3f} +- {s:.3f} (paired, seeds: {len(diff)})"
                 )
     return out
 
