@@ -1,7 +1,8 @@
 """The privacy report contract (schema ``dpkfc_med.privacy_report/2``) and its validator.
 
 The report is a plain, JSON-serialisable dict built by the training pipeline. Validation is
-hand-written (no ``jsonschema`` dependency) so that every problem reads as
+hand-written (no ``jsonschema`` dependency; the field rules are :mod:`dpkfc_med.report.rules`,
+the JSON view :mod:`dpkfc_med.report.json_data`) so that every problem reads as
 ``"<dotted.field>: <what is wrong>"`` and all problems are reported at once.
 
 Layout (version 1; keys not listed are allowed and kept)::
@@ -32,7 +33,8 @@ This is the *shareable* report: it must not hold any field of
 :data:`~dpkfc_med.report.custodian.CUSTODIAN_ONLY` (un-noised statistics of the private
 records: training losses, metrics, diagnostics, class counts, fingerprints, case splits); the
 validator refuses them. They live in the custodian report (``dpkfc_med.custodian_report/1``,
-:func:`validate_custodian_report`) under ``private_not_for_release/``.
+:func:`~dpkfc_med.report.custodian_schema.validate_custodian_report`) under
+``private_not_for_release/``.
 
 Privacy-relevant fields (``privacy.*``, ``preconditioner.uses_private_data``) are checked
 strictly, including their consistency with ``privacy.method``; display-only fields
@@ -41,17 +43,34 @@ strictly, including their consistency with ``privacy.method``; display-only fiel
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 from collections.abc import Callable, Mapping
-from datetime import datetime
-from enum import Enum
-from pathlib import PurePath
 from typing import Any
 
 from dpkfc_med.methods import METHODS, PRECONDITIONED_METHODS, Method
-from dpkfc_med.utils import did_you_mean
+from dpkfc_med.report.custodian_schema import validate_custodian_report
+from dpkfc_med.report.json_data import to_json_data
+from dpkfc_med.report.rules import (
+    Check,
+    boolean,
+    curve_value,
+    describe,
+    fields,
+    integer,
+    is_int,
+    is_number,
+    list_of,
+    mapping,
+    mapping_of,
+    nullable,
+    number,
+    one_of,
+    present,
+    sha256,
+    sha256_field,
+    string,
+    timestamp,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -89,11 +108,6 @@ COVERAGE_KEYS = tuple(k for k in COVERAGE_COLUMNS if k != "family")
 """The columns every coverage row must hold (``family`` is absent from reports of schema 2
 written before the preconditioner families; such rows are K-FAC)."""
 
-_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-
-Check = Callable[[Any, str, list[str]], None]
-"""``check(value, dotted_path, problems)`` appends one line per problem to ``problems``."""
-
 
 class ReportSchemaError(ValueError):
     """A privacy report does not follow :data:`REPORT_SCHEMA`.
@@ -109,344 +123,126 @@ class ReportSchemaError(ValueError):
         )
 
 
-# --------------------------------------------------------------------------- JSON view
-def to_json_data(value: Any, *, finite: bool = False) -> tuple[Any, list[str]]:
-    """Plain JSON data (dicts, lists, str, numbers, bools, ``None``) equivalent to ``value``.
-
-    The pipeline may hand over enums, paths, tuples, dataclasses (e.g. ``Fix``), NumPy scalars
-    or arrays and tensors; they are converted rather than rejected so that a report never fails
-    on a representation detail at the end of a long run.
-
-    Args:
-        value: The report, or any part of it.
-        finite: Replace NaN and infinities by ``None`` (JSON has no such numbers; ``null`` in a
-            metric or curve marks an undefined value, e.g. the AUROC of a one-class split).
-
-    Returns:
-        The converted data and one problem line per value that has no JSON form.
-    """
-    problems: list[str] = []
-    return _convert(value, "", problems, finite), problems
-
-
-def _convert(value: Any, path: str, problems: list[str], finite: bool) -> Any:
-    if isinstance(value, Enum):
-        value = value.value
-    if value is None or isinstance(value, (bool, str, int)):
-        return value
-    if isinstance(value, float):
-        return None if finite and not math.isfinite(value) else value
-    if isinstance(value, PurePath):
-        return str(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, Mapping):
-        out = {}
-        for key, item in value.items():
-            if isinstance(key, Enum):
-                key = key.value
-            if not isinstance(key, (str, int, float, bool)) and key is not None:
-                problems.append(
-                    f"{_join(path, str(key))}: key of type {type(key).__name__} has no JSON form"
-                )
-                continue
-            out[str(key)] = _convert(item, _join(path, str(key)), problems, finite)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_convert(item, f"{path}[{i}]", problems, finite) for i, item in enumerate(value)]
-    tolist = getattr(value, "tolist", None)  # NumPy scalars/arrays, torch tensors
-    if callable(tolist):
-        return _convert(tolist(), path, problems, finite)
-    problems.append(
-        f"{path or '<report>'}: value of type {type(value).__name__} is not JSON-serialisable; "
-        "store a number, string, list or dict"
-    )
-    return None
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-# --------------------------------------------------------------------------- checks
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _fields(spec: dict[str, Check]) -> Check:
-    """A mapping that must hold every key of ``spec``, each checked by its own check."""
-
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        if not isinstance(value, Mapping):
-            problems.append(f"{path or '<report>'}: must be a mapping, got {_kind(value)}")
-            return
-        for key, sub in spec.items():
-            if key not in value:
-                problems.append(f"{_join(path, key)}: missing")
-            else:
-                sub(value[key], _join(path, key), problems)
-
-    return check
-
-
-def _nullable(inner: Check) -> Check:
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        if value is not None:
-            inner(value, path, problems)
-
-    return check
-
-
-def _string(value: Any, path: str, problems: list[str]) -> None:
-    if not isinstance(value, str) or not value.strip():
-        problems.append(f"{path}: must be a non-empty string, got {_kind(value)}")
-
-
-def _boolean(value: Any, path: str, problems: list[str]) -> None:
-    if not isinstance(value, bool):
-        problems.append(f"{path}: must be true or false, got {_kind(value)}")
-
-
-def _mapping(value: Any, path: str, problems: list[str]) -> None:
-    if not isinstance(value, Mapping):
-        problems.append(f"{path}: must be a mapping, got {_kind(value)}")
-
-
-def _one_of(*choices: Any) -> Check:
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        if value not in choices or isinstance(value, bool):
-            hint = did_you_mean(value, [str(c) for c in choices]) if isinstance(value, str) else ""
-            allowed = ", ".join(repr(c) for c in choices)
-            problems.append(f"{path}: must be one of {allowed}, got {_kind(value)}{hint}")
-
-    return check
-
-
-def _integer(minimum: int | None = None) -> Check:
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        if not _is_int(value) or (minimum is not None and value < minimum):
-            bound = f" >= {minimum}" if minimum is not None else ""
-            problems.append(f"{path}: must be an integer{bound}, got {_kind(value)}")
-
-    return check
-
-
-def _number(
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-    context: str = "",
-) -> Check:
-    """A finite number in an interval; the message states the interval in math notation."""
-    if low is not None and high is not None:
-        rng = f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    elif low is not None:
-        rng = f" {'>' if low_open else '>='} {low:g}"
-    else:
-        rng = ""
-
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        ok = _is_number(value) and math.isfinite(value)
-        if ok and low is not None:
-            ok = value > low if low_open else value >= low
-        if ok and high is not None:
-            ok = value < high if high_open else value <= high
-        if not ok:
-            problems.append(f"{path}: must be a number{rng}{context}, got {_kind(value)}")
-
-    return check
-
-
-def _list_of(item: Check, what: str = "a list") -> Check:
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        if not isinstance(value, (list, tuple)):
-            problems.append(f"{path}: must be {what}, got {_kind(value)}")
-            return
-        for i, entry in enumerate(value):
-            item(entry, f"{path}[{i}]", problems)
-
-    return check
-
-
-def _mapping_of(item: Check, what: str = "a mapping") -> Check:
-    def check(value: Any, path: str, problems: list[str]) -> None:
-        if not isinstance(value, Mapping):
-            problems.append(f"{path}: must be {what}, got {_kind(value)}")
-            return
-        for key, entry in value.items():
-            item(entry, _join(path, str(key)), problems)
-
-    return check
-
-
-def _curve_value(value: Any, path: str, problems: list[str]) -> None:
-    # null stands for a non-finite value (a diverged loss); see to_json_data(finite=True).
-    if value is not None and not _is_number(value):
-        problems.append(f"{path}: must be a number or null, got {_kind(value)}")
-
-
-def _sha256(value: Any, path: str, problems: list[str]) -> None:
-    if not isinstance(value, str) or not _HEX64.fullmatch(value):
-        problems.append(f"{path}: must be a 64-character hex SHA-256 digest, got {_kind(value)}")
-
-
-def _sha256_field(value: Any, path: str, problems: list[str]) -> None:
-    """One digest, or a ``file -> digest`` mapping (a folder of external data)."""
-    if isinstance(value, Mapping):
-        _mapping_of(_sha256)(value, path, problems)
-    else:
-        _sha256(value, path, problems)
-
-
-def _timestamp(value: Any, path: str, problems: list[str]) -> None:
-    try:
-        # Python < 3.11 does not read a trailing "Z"; it means UTC.
-        datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
-    except (TypeError, ValueError, AttributeError):
-        problems.append(
-            f"{path}: must be an ISO-8601 date or date-time such as '2024-05-01', "
-            f"got {_kind(value)}"
-        )
-
-
 def _schema_id(value: Any, path: str, problems: list[str]) -> None:
     if value != REPORT_SCHEMA:
         problems.append(
-            f"{path}: must be {REPORT_SCHEMA!r}, got {_kind(value)}; the report was written by "
+            f"{path}: must be {REPORT_SCHEMA!r}, got {describe(value)}; the report was written by "
             "another version of dpkfc_med"
         )
 
 
 # --------------------------------------------------------------------------- sections
-_RUN = _fields(
+_RUN = fields(
     {
-        "name": _string,
-        "config_sha256": _sha256,
-        "config": _mapping,
-        "seed": _nullable(_integer()),
-        "device": _string,
+        "name": string,
+        "config_sha256": sha256,
+        "config": mapping,
+        "seed": nullable(integer()),
+        "device": string,
     }
 )
-_TASK = _fields(
+_TASK = fields(
     {
-        "kind": _one_of("classification", "segmentation"),
-        "spatial_dims": _one_of(2, 3),
-        "num_classes": _integer(1),
-        "label_names": _nullable(_list_of(_string, "a list of strings")),
+        "kind": one_of("classification", "segmentation"),
+        "spatial_dims": one_of(2, 3),
+        "num_classes": integer(1),
+        "label_names": nullable(list_of(string, "a list of strings")),
     }
 )
-_DATA = _fields(
+_DATA = fields(
     {
-        "splits": _mapping_of(_integer(0), "a mapping split -> number of samples"),
-        "num_train_units": _integer(1),
-        "privacy_unit": _string,
-        "max_samples_per_unit": _nullable(_integer(1)),
+        "splits": mapping_of(integer(0), "a mapping split -> number of samples"),
+        "num_train_units": integer(1),
+        "privacy_unit": string,
+        "max_samples_per_unit": nullable(integer(1)),
     }
 )
-_MODEL = _fields(
+_MODEL = fields(
     {
-        "name": _string,
-        "num_params": _integer(0),
-        "fixes": _list_of(_mapping, "a list of mappings (one per fix)"),
+        "name": string,
+        "num_params": integer(0),
+        "fixes": list_of(mapping, "a list of mappings (one per fix)"),
     }
 )
-_HISTORY = _fields(
+_HISTORY = fields(
     {
-        "step": _list_of(_integer(0), "a list of integers"),
-        "epsilon": _list_of(_curve_value, "a list of numbers"),
-        "val_metric_name": _string,
+        "step": list_of(integer(0), "a list of integers"),
+        "epsilon": list_of(curve_value, "a list of numbers"),
+        "val_metric_name": string,
     }
 )
-_METRICS = _fields({"val": _nullable(_mapping), "test": _nullable(_mapping)})
-_ENVIRONMENT = _fields(
+_ENVIRONMENT = fields(
     {
-        "python": _string,
-        "packages": _mapping_of(_nullable(_string), "a mapping package -> version or null"),
-        "git": _nullable(_fields({"commit": _string, "dirty": _boolean})),
+        "python": string,
+        "packages": mapping_of(nullable(string), "a mapping package -> version or null"),
+        "git": nullable(fields({"commit": string, "dirty": boolean})),
     }
 )
-_REFRESH = _fields(
+_REFRESH = fields(
     {
-        "step": _integer(0),
-        "probe_seed": _integer(),
-        "seconds": _number(0),
-        "scale": _nullable(_number()),
+        "step": integer(0),
+        "probe_seed": integer(),
+        "seconds": number(0),
+        "scale": nullable(number()),
     }
 )
 
 
-def _present(value: Any, path: str, problems: list[str]) -> None:
-    """Any value: the key only has to be there (display-only columns)."""
-
-
-_COVERAGE_ROW = _fields(dict.fromkeys(COVERAGE_KEYS, _present))
-_EXTERNAL = _fields({"sha256": _sha256_field, "note": _string})  # path: custodian report
+_COVERAGE_ROW = fields(dict.fromkeys(COVERAGE_KEYS, present))
+_EXTERNAL = fields({"sha256": sha256_field, "note": string})  # path: custodian report
 
 _PRIVACY_COMMON: dict[str, Check] = {
-    "method": _one_of(*METHODS),
-    "private": _boolean,
-    "accountant": _one_of(*ACCOUNTANTS),
-    "steps": _integer(0),
-    "planned_steps": _nullable(_integer(0)),
-    "epochs": _number(0),
-    "secure_rng": _boolean,
-    "neighbouring_relation": _string,
-    "guarantee": _string,
-    "hyperparameter_tuning": _string,
-    "ledger": _mapping,
-    "randomness": _fields(
+    "method": one_of(*METHODS),
+    "private": boolean,
+    "accountant": one_of(*ACCOUNTANTS),
+    "steps": integer(0),
+    "planned_steps": nullable(integer(0)),
+    "epochs": number(0),
+    "secure_rng": boolean,
+    "neighbouring_relation": string,
+    "guarantee": string,
+    "hyperparameter_tuning": string,
+    "ledger": mapping,
+    "randomness": fields(
         {
-            "source": _one_of("os-entropy", "os-csprng", "seeded", "none"),
-            "valid_dp_release": _boolean,
+            "source": one_of("os-entropy", "os-csprng", "seeded", "none"),
+            "valid_dp_release": boolean,
         }
     ),
-    "not_covered": _list_of(_string, "a list of sentences"),
+    "not_covered": list_of(string, "a list of sentences"),
 }
 _FOR_PRIVATE = " for a private run"
 _PRIVACY_PRIVATE: dict[str, Check] = {
-    "epsilon": _fields({k: _number(0) for k in (*ACCOUNTANTS, "max")}),
-    "target_epsilon": _nullable(_number(0, low_open=True)),
-    "delta": _number(0, 1, low_open=True, high_open=True),
-    "sampler": _one_of("poisson"),
-    "sample_rate": _number(0, 1, low_open=True, context=_FOR_PRIVATE),
-    "expected_batch_size": _integer(1),
-    "noise_multiplier": _number(0, low_open=True, context=_FOR_PRIVATE),
-    "max_grad_norm": _number(0, low_open=True, context=_FOR_PRIVATE),
+    "epsilon": fields({k: number(0) for k in (*ACCOUNTANTS, "max")}),
+    "target_epsilon": nullable(number(0, low_open=True)),
+    "delta": number(0, 1, low_open=True, high_open=True),
+    "sampler": one_of("poisson"),
+    "sample_rate": number(0, 1, low_open=True, context=_FOR_PRIVATE),
+    "expected_batch_size": integer(1),
+    "noise_multiplier": number(0, low_open=True, context=_FOR_PRIVATE),
+    "max_grad_norm": number(0, low_open=True, context=_FOR_PRIVATE),
 }
 _PRIVACY_NONPRIVATE: dict[str, Check] = {
-    "target_epsilon": _nullable(_number(0, low_open=True)),
-    "delta": _nullable(_number(0, 1, low_open=True, high_open=True)),
-    "sampler": _nullable(_one_of("poisson")),
-    "sample_rate": _nullable(_number(0, 1, low_open=True)),
-    "expected_batch_size": _nullable(_integer(1)),
-    "noise_multiplier": _nullable(_number(0)),
-    "max_grad_norm": _nullable(_number(0, low_open=True)),
+    "target_epsilon": nullable(number(0, low_open=True)),
+    "delta": nullable(number(0, 1, low_open=True, high_open=True)),
+    "sampler": nullable(one_of("poisson")),
+    "sample_rate": nullable(number(0, 1, low_open=True)),
+    "expected_batch_size": nullable(integer(1)),
+    "noise_multiplier": nullable(number(0)),
+    "max_grad_norm": nullable(number(0, low_open=True)),
 }
 
 
 def _check_privacy(privacy: Any, problems: list[str]) -> None:
     if not isinstance(privacy, Mapping):
-        problems.append(f"privacy: must be a mapping, got {_kind(privacy)}")
+        problems.append(f"privacy: must be a mapping, got {describe(privacy)}")
         return
     method, private = privacy.get("method"), privacy.get("private")
     # Which fields are mandatory depends on whether the run claims a guarantee; a run whose
     # ``private`` flag is missing or wrong is checked as private, the stricter reading.
     strict = private is not False or method != Method.NONPRIVATE.value
     spec = {**_PRIVACY_COMMON, **(_PRIVACY_PRIVATE if strict else _PRIVACY_NONPRIVATE)}
-    _fields(spec)(privacy, "privacy", problems)
+    fields(spec)(privacy, "privacy", problems)
 
     if method in METHODS and isinstance(private, bool) and private != Method(method).private:
         want = "true" if Method(method).private else "false"
@@ -460,7 +256,7 @@ def _check_privacy(privacy: Any, problems: list[str]) -> None:
         return
     eps = privacy.get("epsilon")
     if isinstance(eps, Mapping) and all(
-        _is_number(eps.get(k)) and math.isfinite(eps[k]) for k in (*ACCOUNTANTS, "max")
+        is_number(eps.get(k)) and math.isfinite(eps[k]) for k in (*ACCOUNTANTS, "max")
     ):
         largest = max(eps[k] for k in ACCOUNTANTS)
         if eps["max"] < largest:
@@ -483,16 +279,16 @@ def _check_preconditioner(report: Mapping[str, Any], problems: list[str]) -> Non
         return
     if method in METHODS and Method(method).private and not Method(method).preconditioned:
         problems.append(f"preconditioner: must be null for method {method!r} (no preconditioner)")
-    _fields(
+    fields(
         {
-            "uses_private_data": _boolean,
-            "external_data": _nullable(_EXTERNAL),
-            "probe_source": _mapping,
-            "refresh_every": _integer(0),
-            "refreshes": _list_of(_REFRESH),
-            "covered_layers": _list_of(_string, "a list of layer names"),
-            "config": _mapping,
-            "coverage": _list_of(_COVERAGE_ROW, "a list of coverage rows"),
+            "uses_private_data": boolean,
+            "external_data": nullable(_EXTERNAL),
+            "probe_source": mapping,
+            "refresh_every": integer(0),
+            "refreshes": list_of(_REFRESH),
+            "covered_layers": list_of(string, "a list of layer names"),
+            "config": mapping,
+            "coverage": list_of(_COVERAGE_ROW, "a list of coverage rows"),
         }
     )(pre, "preconditioner", problems)
     if not isinstance(pre, Mapping):
@@ -534,14 +330,14 @@ def _check_history(history: Any, privacy: Any, problems: list[str]) -> None:
     if "epsilon_step" in history:
         # epsilon[i] is the stated accountant's epsilon after epsilon_step[i] steps.
         listed = history["epsilon_step"]
-        _list_of(_integer(1), "a list of integers >= 1")(listed, "history.epsilon_step", problems)
+        list_of(integer(1), "a list of integers >= 1")(listed, "history.epsilon_step", problems)
         n_listed = length("epsilon_step")
         if n_listed is not None and n_eps is not None and n_eps != n_listed:
             problems.append(
                 f"history.epsilon: must have the length of history.epsilon_step ({n_listed}), "
                 f"has {n_eps}"
             )
-        if isinstance(listed, (list, tuple)) and all(_is_int(v) for v in listed):
+        if isinstance(listed, (list, tuple)) and all(is_int(v) for v in listed):
             if any(b <= a for a, b in zip(listed, listed[1:])):
                 problems.append("history.epsilon_step: must be strictly increasing")
             _check_history_ends_at_the_report(history, privacy, problems)
@@ -551,7 +347,7 @@ def _check_history(history: Any, privacy: Any, problems: list[str]) -> None:
             f"has {n_eps}"
         )
     if "epsilon_rdp" in history:
-        _list_of(_curve_value, "a list of numbers")(
+        list_of(curve_value, "a list of numbers")(
             history["epsilon_rdp"], "history.epsilon_rdp", problems
         )
         n_rdp = length("epsilon_rdp")
@@ -582,10 +378,10 @@ def _check_history_ends_at_the_report(
         )
     final = eps.get(accountant) if isinstance(eps, Mapping) else None
     if (
-        _is_number(final)
+        is_number(final)
         and values
         and len(values) == len(listed)
-        and _is_number(values[-1])
+        and is_number(values[-1])
         and values[-1] != final
     ):
         problems.append(
@@ -599,24 +395,8 @@ def _check_task(task: Any, problems: list[str]) -> None:
     if not isinstance(task, Mapping):
         return
     names, k = task.get("label_names"), task.get("num_classes")
-    if isinstance(names, (list, tuple)) and _is_int(k) and len(names) != k:
+    if isinstance(names, (list, tuple)) and is_int(k) and len(names) != k:
         problems.append(f"task.label_names: must have num_classes={k} entries, has {len(names)}")
-
-
-def _check_metrics(metrics: Any, problems: list[str]) -> None:
-    _METRICS(metrics, "metrics", problems)
-    for split in ("val", "test"):
-        values = metrics.get(split) if isinstance(metrics, Mapping) else None
-        if not isinstance(values, Mapping) or "confusion_matrix" not in values:
-            continue
-        cm, path = values["confusion_matrix"], f"metrics.{split}.confusion_matrix"
-        square = (
-            isinstance(cm, (list, tuple))
-            and all(isinstance(r, (list, tuple)) and len(r) == len(cm) for r in cm)
-            and all(_is_number(x) for r in cm for x in r)
-        )
-        if not square:
-            problems.append(f"{path}: must be a square list of lists of counts (rows: true class)")
 
 
 def validate_report(report: Any) -> list[str]:
@@ -633,19 +413,19 @@ def validate_report(report: Any) -> list[str]:
     """
     data, problems = to_json_data(report)
     if not isinstance(data, Mapping):
-        return [f"<report>: must be a mapping, got {_kind(data)}"]
+        return [f"<report>: must be a mapping, got {describe(data)}"]
     # Walked in layout order so that the problem list reads like the report.
     sections: list[tuple[str, Callable[[Any], None]]] = [
         ("schema", lambda v: _schema_id(v, "schema", problems)),
-        ("status", lambda v: _one_of(*STATUSES)(v, "status", problems)),
-        ("created", lambda v: _timestamp(v, "created", problems)),  # a date when shared
+        ("status", lambda v: one_of(*STATUSES)(v, "status", problems)),
+        ("created", lambda v: timestamp(v, "created", problems)),  # a date when shared
         ("run", lambda v: _RUN(v, "run", problems)),
         ("task", lambda v: _check_task(v, problems)),
         ("data", lambda v: _DATA(v, "data", problems)),
         ("model", lambda v: _MODEL(v, "model", problems)),
         ("privacy", lambda v: _check_privacy(v, problems)),
         ("preconditioner", lambda v: _check_preconditioner(data, problems)),
-        ("training", lambda v: _mapping(v, "training", problems)),
+        ("training", lambda v: mapping(v, "training", problems)),
         ("history", lambda v: _check_history(v, data.get("privacy"), problems)),
         ("custodian", lambda v: _CUSTODIAN(v, "custodian", problems)),
         ("environment", lambda v: _ENVIRONMENT(v, "environment", problems)),
@@ -662,14 +442,14 @@ def validate_report(report: Any) -> list[str]:
     return problems
 
 
-_CUSTODIAN = _fields({"path": _string, "report": _string, "items": _mapping, "note": _string})
-_AUDIT = _fields(
+_CUSTODIAN = fields({"path": string, "report": string, "items": mapping, "note": string})
+_AUDIT = fields(
     {
-        "epsilon_lower_bound": _number(0),
-        "epsilon_accounted": _number(0),
-        "delta": _number(0, 1, low_open=True, high_open=True),
-        "canaries": _integer(1),
-        "confidence": _number(0, 1, low_open=True, high_open=True),
+        "epsilon_lower_bound": number(0),
+        "epsilon_accounted": number(0),
+        "delta": number(0, 1, low_open=True, high_open=True),
+        "canaries": integer(1),
+        "confidence": number(0, 1, low_open=True, high_open=True),
     }
 )
 
@@ -690,37 +470,6 @@ def _check_shareable(data: Mapping[str, Any], problems: list[str]) -> None:
 
 
 _ABSENT = object()
-
-
-def validate_custodian_report(report: Any) -> list[str]:
-    """Every problem of a custodian report (schema ``dpkfc_med.custodian_report/1``)."""
-    from dpkfc_med.report.custodian import CUSTODIAN_SCHEMA
-
-    data, problems = to_json_data(report)
-    if not isinstance(data, Mapping):
-        return [f"<custodian report>: must be a mapping, got {_kind(data)}"]
-    if data.get("schema") != CUSTODIAN_SCHEMA:
-        problems.append(f"schema: must be {CUSTODIAN_SCHEMA!r}, got {_kind(data.get('schema'))}")
-    _string(data.get("banner"), "banner", problems)
-    history = data.get("history")
-    if not isinstance(history, Mapping):
-        problems.append("history: must be a mapping")
-    else:
-        steps, loss = history.get("step", []), history.get("loss", [])
-        if isinstance(steps, list) and isinstance(loss, list) and len(loss) != len(steps):
-            problems.append(
-                f"history.loss: must have the length of history.step ({len(steps)}), "
-                f"has {len(loss)}"
-            )
-        epochs, values = history.get("val_epoch", []), history.get("val_metric", [])
-        if isinstance(epochs, list) and isinstance(values, list) and len(epochs) != len(values):
-            problems.append(
-                f"history.val_metric: must have the length of history.val_epoch ({len(epochs)}), "
-                f"has {len(values)}"
-            )
-    _check_metrics(data.get("metrics"), problems)
-    _nullable(_mapping)(data.get("diagnostics"), "diagnostics", problems)
-    return problems
 
 
 def check_report(report: Any) -> None:
