@@ -15,24 +15,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
-from dpkfc_med.methods import METHODS, Method
-from dpkfc_med.models.finetune import FinetuneMode
-from dpkfc_med.models.fix import NormChoice
-from dpkfc_med.privacy.accounting import Accountant
-from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
-from dpkfc_med.privacy.ghost import Clipping
-from dpkfc_med.probes.sources import NoiseKind, TargetRule
-from dpkfc_med.training.precision import Precision
+from dpkfc_med.methods import Method
+from dpkfc_med.training.config_checks import value_problems
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -394,43 +385,6 @@ class RunConfig:
         return hashlib.sha256(blob).hexdigest()
 
 
-_CHOICES: dict[str, list[str]] = {
-    "method": list(METHODS),
-    "data.task": ["classification", "segmentation"],
-    "data.slices.pick": ["random", "even"],
-    "training.optimizer": ["sgd", "adam", "adambc"],
-    "training.lr_schedule": ["constant", "cosine"],
-    "training.device": ["cpu", "cuda", "auto"],
-    "training.precision": [p.value for p in Precision],
-    "training.select_epoch": ["best_val", "last"],
-    "privacy.accountant": [a.value for a in Accountant if a is not Accountant.PLD],
-    "privacy.clipping": [c.value for c in Clipping],
-    # white probes are the method dp-kfc-white (one way to ask for them)
-    "probes.kind": [k.value for k in NoiseKind if k is not NoiseKind.WHITE],
-    "probes.target": [t.value for t in TargetRule],
-    "model.norm": [n.value for n in NormChoice],
-    "training.finetune": [m.value for m in FinetuneMode],
-}
-_POSITIVE = {
-    "privacy.target_epsilon",
-    "privacy.max_grad_norm",
-    "training.epochs",
-    "training.batch_size",
-    "training.lr",
-    "training.adambc_gamma",
-    "training.eval_batch_size",
-    "training.eval_every",
-    "probes.num_probes",
-    "data.patches_per_unit",
-    "data.slices.per_unit",
-    "pretrain.batch_size",
-    "pretrain.lr",
-    "training.finetune_last",
-    "training.lora_rank",
-    "training.lora_alpha",
-}
-
-
 def _coerce(path: str, value: Any, hint: Any, problems: list[str]) -> Any:
     origin = get_origin(hint)
     args = [a for a in get_args(hint) if a is not type(None)]
@@ -497,131 +451,6 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     return cls(**kwargs)
 
 
-def _check_values(cfg: RunConfig, problems: list[str]) -> None:
-    flat = _flatten(cfg.to_dict())
-    for path, allowed in _CHOICES.items():
-        v = flat.get(path)
-        if isinstance(v, str) and v not in allowed:
-            problems.append(
-                f"{path}={v!r}: not allowed{did_you_mean(v, allowed)}; choose one of {allowed}"
-            )
-    for path in _POSITIVE:
-        v = flat.get(path)
-        if (
-            isinstance(v, (int, float))
-            and not isinstance(v, bool)
-            and not (v > 0 and math.isfinite(v))
-        ):
-            problems.append(f"{path}={v!r}: must be a positive number")
-    if not cfg.data.path:
-        problems.append("data.path: required (a MedMNIST .npz, a MedMNIST flag, or a NIfTI folder)")
-    d = cfg.privacy.delta
-    if d is not None and not (isinstance(d, float) and 0 < d < 1):
-        problems.append(f"privacy.delta={d!r}: must be in (0, 1), e.g. 1e-5")
-    if cfg.privacy.secure_rng is True and cfg.privacy.reproducible_noise is True:
-        problems.append(
-            "privacy.reproducible_noise=true contradicts privacy.secure_rng=true: replayable "
-            "noise cannot come from the OS CSPRNG; turn one of them off"
-        )
-    ema = cfg.training.ema_decay
-    if ema is not None and isinstance(ema, float) and not 0.0 < ema < 1.0:
-        problems.append(
-            f"training.ema_decay={ema!r}: must be between 0 and 1 exclusive (e.g. 0.99), or null"
-        )
-    if isinstance(cfg.pretrain.steps, int) and cfg.pretrain.steps < 0:
-        problems.append(f"pretrain.steps={cfg.pretrain.steps}: must be >= 0 (0 = off)")
-    if cfg.probes.kind == NoiseKind.SHAPES.value and cfg.data.task != "segmentation":
-        problems.append(
-            "probes.kind='shapes': shape volumes come with label maps and apply to segmentation; "
-            "use 'pink' for classification"
-        )
-    if cfg.pretrain.steps and cfg.data.task != "segmentation":
-        problems.append(
-            f"pretrain.steps={cfg.pretrain.steps}: data-free pretraining on synthetic shapes is "
-            "available for segmentation; set pretrain.steps to 0 for classification"
-        )
-    problems.extend(_finetune_problems(cfg))
-    if isinstance(cfg.training.warmup_steps, int) and cfg.training.warmup_steps < 0:
-        problems.append(f"training.warmup_steps={cfg.training.warmup_steps}: must be >= 0")
-    nm = cfg.privacy.noise_multiplier
-    if nm is not None and isinstance(nm, float) and not nm > 0:
-        problems.append(f"privacy.noise_multiplier={nm!r}: must be > 0 (or null to calibrate)")
-    problems.extend(
-        f"probes.{msg}"
-        for msg in refresh_settings_problems(cfg.probes.refresh_every, cfg.probes.refresh_budget)
-    )
-    if cfg.method_enum.public_data and not cfg.probes.public_data:
-        problems.append(
-            "probes.public_data: required for method dp-kfc-public (path to a public .npz)"
-        )
-    if (
-        cfg.training.optimizer == "adambc"
-        and cfg.preconditioner.get("step") == "natural"
-        and cfg.method_enum.preconditioned
-    ):
-        problems.append(
-            "preconditioner.step='natural' with training.optimizer='adambc': "
-            + NATURAL_STEP_REFUSED
-        )
-    try:
-        cfg.preconditioner_config()
-    except (TypeError, ValueError) as err:
-        names = [f.name for f in dataclasses.fields(PreconditionerConfig)]
-        for key in cfg.preconditioner:
-            if key not in names:
-                problems.append(
-                    f"preconditioner.{key}: unknown field{did_you_mean(key, names)}; "
-                    f"allowed: {names}"
-                )
-        if isinstance(err, ValueError):
-            problems.extend(str(err).splitlines()[1:] or [str(err)])
-
-
-def _finetune_problems(cfg: RunConfig) -> list[str]:
-    """``model.pretrained*`` and ``training.finetune`` / ``lora_*`` problems."""
-    problems = []
-    m, t = cfg.model, cfg.training
-    for name, patterns in (
-        ("model.pretrained_skip", m.pretrained_skip),
-        ("training.lora_targets", t.lora_targets or []),
-    ):
-        for pat in patterns:
-            if not isinstance(pat, str):
-                continue
-            try:
-                re.compile(pat)
-            except re.error as err:
-                problems.append(f"{name}: {pat!r} is not a regular expression ({err})")
-    if m.pretrained_skip and not m.pretrained:
-        problems.append(
-            "model.pretrained_skip: only applies with model.pretrained (the weights to load)"
-        )
-    if m.pretrained and cfg.pretrain.steps:
-        problems.append(
-            f"pretrain.steps={cfg.pretrain.steps} with model.pretrained: data-free pretraining "
-            "would overwrite the loaded weights; set pretrain.steps to 0 (or drop "
-            "model.pretrained)"
-        )
-    elif cfg.pretrain.steps and t.finetune != "full":
-        problems.append(
-            f"training.finetune={t.finetune!r} with pretrain.steps={cfg.pretrain.steps}: the "
-            "frozen parameters would not be pretrained either; use finetune: full with "
-            "data-free pretraining"
-        )
-    return problems
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        path = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict) and k not in ("kwargs", "preconditioner"):
-            out.update(_flatten(v, path))
-        else:
-            out[path] = v
-    return out
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict."""
     problems = []
@@ -649,7 +478,7 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
     problems: list[str] = []
     cfg = _build(RunConfig, data, "", problems)
     if not problems:
-        _check_values(cfg, problems)
+        problems.extend(value_problems(cfg))
     if problems:
         raise ConfigError(problems, source)
     return cfg

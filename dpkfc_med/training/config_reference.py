@@ -25,7 +25,6 @@ from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.models import list_models
 from dpkfc_med.probes import PRESETS
 from dpkfc_med.training.config import (
-    _CHOICES,
     DataConfig,
     ModelConfig,
     OutputConfig,
@@ -36,6 +35,7 @@ from dpkfc_med.training.config import (
     SliceConfig,
     TrainingConfig,
 )
+from dpkfc_med.training.config_checks import CHOICES as _CHOICES
 
 __all__ = ["SECTIONS", "field_rows", "render"]
 

@@ -24,6 +24,7 @@ from dpkfc_med.privacy.accounting import (
     epsilon_for,
 )
 from dpkfc_med.training.config import ConfigError, RunConfig
+from dpkfc_med.training.config_checks import flatten
 
 __all__ = [
     "OPERATIONAL_FIELDS",
@@ -148,20 +149,9 @@ def plan_privacy(
     }
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        path = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict) and v and k not in ("kwargs",):
-            out.update(_flatten(v, path))
-        else:
-            out[path] = v
-    return out
-
-
 def config_changes(original: RunConfig, new: RunConfig) -> list[tuple[str, Any, Any]]:
     """Fields whose values differ between two configs, as ``(dotted.field, old, new)``."""
-    a, b = _flatten(original.to_dict()), _flatten(new.to_dict())
+    a, b = flatten(original.to_dict()), flatten(new.to_dict())
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
