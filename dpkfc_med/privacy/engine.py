@@ -2,7 +2,8 @@
 
 In the spirit of Opacus' ``PrivacyEngine.make_private``; the engine additionally owns the
 probe source and the preconditioner refresh schedule (every ``refresh_every`` steps and at step
-0, from fresh probes at the current, already released, parameters).
+0, from fresh probes at the current, already released, parameters:
+:mod:`dpkfc_med.privacy.refresh`). The Poisson loader is :mod:`dpkfc_med.privacy.loader`.
 
 Privacy guarantee:
     Each step is a Poisson-subsampled Gaussian mechanism over privacy units (samples, or
@@ -16,38 +17,26 @@ Privacy guarantee:
 from __future__ import annotations
 
 import secrets
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from opacus.data_loader import DPDataLoader
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader
 
-from dpkfc_med.curvature.cost import (
-    auto_refresh_every,
-    layer_footprint,
-    refresh_settings_problems,
-)
-from dpkfc_med.curvature.factors import LossFn, covered_layers
-from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
+from dpkfc_med.curvature.cost import refresh_settings_problems
+from dpkfc_med.curvature.factors import LossFn
+from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.methods import ENGINE_METHODS, Method
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
-from dpkfc_med.privacy.distributed import (
-    ShardedPoissonSampler,
-    World,
-    check_mechanism_on_every_rank,
-    check_same_on_every_rank,
-    module_digests,
-)
+from dpkfc_med.privacy.distributed import World, check_mechanism_on_every_rank, module_digests
 from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
+from dpkfc_med.privacy.loader import check_loader_sampling, poisson_loader
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
-from dpkfc_med.privacy.rng import SecurePoissonSampler
+from dpkfc_med.privacy.refresh import PreconditionerRefreshes
 from dpkfc_med.probes.sources import ProbeSource, probe_source_problems
 from dpkfc_med.utils import check_choice
 
@@ -86,89 +75,7 @@ def _entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
 
-def check_loader_sampling(data_loader: DataLoader) -> None:
-    """Refuse a loader whose sampling the accountant cannot model.
-
-    The engine replaces the loader's sampling by Poisson sampling of units at rate
-    ``1 / len(data_loader)``. A loader built with its own ``sampler`` or ``batch_sampler``
-    (``WeightedRandomSampler``, a class-balanced or custom sampler, a subset sampler) says the
-    user wants other sampling: silently replacing it would train on data the user did not
-    intend, keeping it would break the accountant (Opacus issue #813). Plain sequential or
-    shuffled loaders are accepted.
-    """
-    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
-
-    sampler = getattr(data_loader, "sampler", None)
-    batch_sampler = getattr(data_loader, "batch_sampler", None)
-    plain_sampler = type(sampler) in (SequentialSampler, RandomSampler)
-    if isinstance(sampler, RandomSampler) and (
-        sampler.replacement or sampler._num_samples is not None
-    ):
-        plain_sampler = False
-    plain_batches = batch_sampler is None or type(batch_sampler) is BatchSampler
-    if plain_sampler and plain_batches:
-        return
-    culprit = sampler if not plain_sampler else batch_sampler
-    raise ValueError(
-        f"data_loader uses {type(culprit).__name__}: private training samples every unit "
-        "independently with probability q (Poisson sampling), the only sampling the "
-        "accountant models; a weighted, class-balanced, subset or custom sampler would make the "
-        "reported epsilon wrong. Pass a plain DataLoader(dataset, batch_size=B) (B = expected "
-        "batch size); to rebalance classes, weight the loss instead of the sampler"
-    )
-
-
-def _poisson_loader(
-    data_loader: DataLoader,
-    *,
-    generator: torch.Generator | None,
-    secure: bool,
-    world: World | None = None,
-) -> DataLoader:
-    """Poisson-sampled loader with the expected batch size of ``data_loader``.
-
-    Over several processes (``world``) each rank draws the units it owns
-    (:class:`~dpkfc_med.privacy.distributed.ShardedPoissonSampler`) at the same rate.
-    """
-    check_loader_sampling(data_loader)
-    dataset = data_loader.dataset
-    n = len(dataset)  # type: ignore[arg-type]
-    if n == 0:
-        raise ValueError("the training split is empty; private training needs at least one unit")
-    sample_rate = 1 / len(data_loader)
-    sharded = world is not None and world.distributed
-    first = dataset[0]
-    if isinstance(first, (tuple, list)):
-        dp = DPDataLoader.from_data_loader(data_loader, generator=generator)
-        if not secure and not sharded:
-            return dp
-        collate = dp.collate_fn
-    else:  # dict items (MONAI style): the caller's collate must handle an empty list
-        collate = data_loader.collate_fn
-    sampler: Any
-    if sharded:
-        assert world is not None
-        sampler = ShardedPoissonSampler(
-            num_samples=n, sample_rate=sample_rate, world=world, generator=generator, secure=secure
-        )
-    elif secure:
-        sampler = SecurePoissonSampler(num_samples=n, sample_rate=sample_rate)
-    else:
-        sampler = UniformWithReplacementSampler(
-            num_samples=n, sample_rate=sample_rate, generator=generator
-        )
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=collate,
-        num_workers=data_loader.num_workers,
-        pin_memory=data_loader.pin_memory,
-    )
-    loader.sample_rate = sample_rate  # type: ignore[attr-defined]
-    return loader
-
-
-class PrivacyEngine:
+class PrivacyEngine(PreconditionerRefreshes):
     """Makes a model, optimizer and loader private with DP-SGD or DP-KFC.
 
     Args:
@@ -359,7 +266,7 @@ class PrivacyEngine:
             )
         if not self.world.is_main:
             ledger_path = None  # one ledger, rank 0's
-        loader = _poisson_loader(
+        loader = poisson_loader(
             data_loader, generator=self.sample_generator, secure=self.secure_mode, world=self.world
         )
         self.sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
@@ -494,117 +401,6 @@ class PrivacyEngine:
         if self.ledger is None:
             return 0.0
         return self.ledger.epsilon(accountant or self.accountant, delta)
-
-    # ------------------------------------------------------------------ probes
-    def _probe_module(self) -> nn.Module:
-        assert self.module is not None
-        return self.module._module
-
-    def _auto_refresh(self, probe: Tensor, batch: int, budget: float) -> dict[str, Any]:
-        """The ``refresh_every="auto"`` period from the covered layers' shapes on one probe."""
-        assert self.module is not None and self.preconditioner_config is not None
-        self.module.disable_hooks()
-        try:
-            model = self._probe_module()
-            ref = next(model.parameters())
-            dtype = ref.dtype if probe.is_floating_point() else probe.dtype
-            with torch.random.fork_rng(devices=[]):
-                rows = layer_footprint(model, probe.to(device=ref.device, dtype=dtype))
-        finally:
-            self.module.enable_hooks()
-        plan = auto_refresh_every(rows, self.preconditioner_config, batch, budget)
-        return {"rule": "auto", **plan}
-
-    def _check_probe_shape(self, data_loader: DataLoader) -> Tensor:
-        """Check one probe against the training data's shape; return that probe's input."""
-        first = data_loader.dataset[0]
-        x = first[0] if isinstance(first, (tuple, list)) else first.get("image")  # type: ignore[union-attr]
-        assert self.probe_source is not None  # checked in make_private
-        probe = self.probe_source.sample(1, seed=0, model=self._probe_module())
-        px = probe[0]
-        if isinstance(x, Tensor) and tuple(px.shape[1:]) != tuple(x.shape[-(px.dim() - 1) :]):
-            raise ValueError(
-                f"probe inputs have shape {list(px.shape[1:])} per sample but the training "
-                f"data has {list(x.shape)}; set the probe source's spatial_shape/channels to "
-                "match the (preprocessed) private inputs"
-            )
-        return px
-
-    def refresh_preconditioner(self, seed: int | None = None) -> KroneckerPreconditioner:
-        """Rebuild the preconditioner from fresh probes at the current parameters.
-
-        Args:
-            seed: probe seed (a public number); default ``probe_seed`` plus the number of
-                refreshes so far.
-        """
-        assert self.module is not None and self.optimizer is not None
-        assert self.preconditioner_config is not None and self.probe_loss is not None
-        model = self._probe_module()
-        ref = next(model.parameters())
-        seed = self.probe_seed + len(self.refreshes) if seed is None else seed
-        assert self.probe_source is not None  # checked in make_private
-        t0 = time.perf_counter()
-        self.module.disable_hooks()
-        try:
-            # fork_rng: the probe pass (e.g. dropout) must not consume the training RNG.
-            with torch.random.fork_rng(devices=[]):
-                inputs, targets = self.probe_source.sample(
-                    self.preconditioner_config.num_probes,
-                    seed=seed,
-                    model=model,
-                    device=ref.device,
-                    dtype=ref.dtype,
-                )
-                pre = KroneckerPreconditioner.from_probes(
-                    model,
-                    inputs,
-                    targets,
-                    self.probe_loss,
-                    self.preconditioner_config,
-                    position_seed=seed,
-                )
-        finally:
-            self.module.enable_hooks()
-        if self.world.distributed:
-            check_same_on_every_rank(pre.fingerprint(), "the preconditioner")
-        self.module.set_blocks(pre.module_blocks())
-        self.optimizer.preconditioner = pre
-        self.refreshes.append(
-            {
-                "step": self.optimizer.steps_taken,
-                "probe_seed": seed,
-                "seconds": time.perf_counter() - t0,
-                "scale": pre.info.get("scale"),
-                "eig_fallbacks": list(pre.info.get("eig_fallbacks", [])),
-            }
-        )
-        return pre
-
-    def _maybe_refresh(self, optimizer: ScaleThenPrivatizeOptimizer) -> None:
-        done = optimizer.max_steps is not None and optimizer.steps_taken >= optimizer.max_steps
-        if self.refresh_every > 0 and optimizer.steps_taken % self.refresh_every == 0 and not done:
-            self.refresh_preconditioner()
-
-    @property
-    def preconditioner(self) -> KroneckerPreconditioner | None:
-        """The preconditioner in use (``None`` for DP-SGD)."""
-        return self.optimizer.preconditioner if self.optimizer is not None else None
-
-    def provenance(self) -> dict[str, Any]:
-        """Preconditioner provenance for the privacy report."""
-        if self.method is not Method.DP_KFC:
-            return {"method": self.method.value, "preconditioner": None}
-        describe: Callable[[], dict[str, Any]] | None = getattr(self.probe_source, "describe", None)
-        pre = self.preconditioner
-        return {
-            "method": self.method.value,
-            "probe_source": describe() if describe else repr(self.probe_source),
-            "refresh_every": self.refresh_every,
-            "refresh_plan": self.refresh_plan,
-            "refreshes": self.refreshes,
-            "preconditioner": pre.summary() if pre else None,
-            "covered_layers": list(covered_layers(self._probe_module())),
-        }
 
     # ------------------------------------------------------------------ checkpoints
     @property
