@@ -17,6 +17,10 @@ STUDIES: dict[str, tuple[str, str]] = {
     "audit": ("benchmarks.audit", "one-run empirical lower bound on epsilon"),
     "tuning": ("benchmarks.tuning", "accounted tuning against unaccounted and no tuning"),
     "cost": ("benchmarks.cost", "step time, peak memory and refresh share against Opacus"),
+    "engine-overhead": (
+        "benchmarks.engine_overhead",
+        "a private step through PrivateTrainer against the bare loop",
+    ),
     "report-screenshot": ("benchmarks.report_screenshot", "the HTML privacy report as a PNG"),
     "results-doc": ("benchmarks.results_doc", "write docs/results.md from the results"),
 }
