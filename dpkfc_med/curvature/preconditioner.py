@@ -14,24 +14,8 @@ materialised. Parameters no adapter covers (norm affines, raw ``nn.Parameter`` s
 position embeddings) use a documented fallback -- ``s * I`` (default) or ``s * diag(E[g^2] +
 damping)^{-1/2}`` from probe gradients -- and always stay inside the clipped norm.
 
-Scale rule (why the clip norm ``C`` keeps its meaning). On ``calibration_samples`` probe
-samples we compute raw per-sample gradient norms ``||g_i||`` and transformed norms
-``||U g_i||`` (all parameters, fallback included), then
-
-* ``global`` (default): one scalar ``s = median_i ||g_i|| / median_i ||U g_i||`` for the whole
-  network, so on probes the transformed per-sample norms have the same median as raw ones and
-  ``C`` can be chosen exactly as for DP-SGD; it is recomputed at every refresh, so ``C`` keeps
-  that meaning as the factors change.
-* ``per_layer``: each layer (fallback parameters grouped by their module) gets ``s_l`` so its
-  median transformed norm equals ``median_i ||g_i|| / sqrt(L)``: all ``L`` layers share the
-  clipped norm equally on probes (prevents one ill-conditioned layer from taking all of it).
-* ``per_layer_raw``: each layer gets ``s_l = median_i ||g_{i,l}|| / median_i ||U g_{i,l}||``, so
-  on probes every layer keeps the share of the clipped norm it has without preconditioning
-  (DP-SGD's split between layers) and the preconditioner only reshapes the gradient inside each
-  layer. Whitening can move most of the norm into a few deep layers, leaving the others (and
-  fallback parameters, whose transform is ``s I``) with almost none of it and so a tiny
-  signal-to-noise ratio; this rule keeps the between-layer split.
-* ``none``: ``s = 1``.
+The scale ``s`` (why the clip norm ``C`` keeps its meaning) is set on probes by the scale rule of
+:mod:`dpkfc_med.curvature.calibration`; the coverage table is :mod:`dpkfc_med.curvature.coverage`.
 
 All of it depends only on probes and on the current (already released) parameters.
 
@@ -43,12 +27,10 @@ each such fallback is listed in ``summary()["eig_fallbacks"]``.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import torch
-from opacus.grad_sample import GradSampleModule
 from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for
@@ -66,21 +48,17 @@ from dpkfc_med.curvature.blocks import (
     raw_norms_sq,
     transform_path_macs,
 )
+from dpkfc_med.curvature.calibration import calibrate_scales
 from dpkfc_med.curvature.config import FactorMode, FallbackRule, PreconditionerConfig, ScaleRule
+from dpkfc_med.curvature.coverage import coverage_rows, coverage_shares
 from dpkfc_med.curvature.factors import (
     KroneckerFactors,
     LossFn,
-    capture_raw,
     covered_layers,
     estimate_factors,
 )
 from dpkfc_med.curvature.families import Family, estimate_gradient_statistics
 from dpkfc_med.curvature.linalg import EighFallback
-
-# Opacus' per-layer per-sample gradient formulas (norm layers, embeddings, and whatever is
-# registered with opacus.grad_sample.register_grad_sampler, read at call time), reused for the
-# fallback parameters during calibration.
-_OPACUS_SAMPLERS = GradSampleModule.GRAD_SAMPLERS
 
 __all__ = [
     "FactorMode",
@@ -337,7 +315,7 @@ class KroneckerPreconditioner:
         t_inv = time.perf_counter() - t0 - t_factors
         fallbacks = _fallback_blocks(model, covered)
         pre = cls(blocks, fallbacks, cfg, factors=factors if keep_factors else None)
-        calib = pre._calibrate(model, inputs, targets, loss_fn)
+        calib = calibrate_scales(pre.blocks, pre.fallbacks, cfg, model, inputs, targets, loss_fn)
         pre.info = {
             "num_probes": int(inputs.shape[0]),
             "seconds_factors": t_factors,
@@ -348,104 +326,6 @@ class KroneckerPreconditioner:
             **calib,
         }
         return pre
-
-    def _calibrate(
-        self, model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: LossFn
-    ) -> dict[str, Any]:
-        cfg = self.config
-        n = min(cfg.calibration_samples, inputs.shape[0])
-        x, y = inputs[:n], targets[:n]
-        raw_sq = torch.zeros(n, dtype=torch.float64)
-        unit_sq: dict[str, Tensor] = {}  # transformed (scale 1) squared norms per unit
-        unit_raw_sq: dict[str, Tensor] = {}  # raw squared norms per unit
-        covered = {b.name: b.module for b in self.blocks.values()}
-        owners = {
-            fb.module_name: fb.owner for fb in self.fallbacks.values() if fb.owner is not None
-        }
-        owners = {
-            k: m for k, m in owners.items() if type(m) in _OPACUS_SAMPLERS and k not in covered
-        }
-        raw_pairs = capture_raw(model, x, y, loss_fn, {**covered, **owners})
-        for name in covered:
-            block = self.blocks[name]
-            for xa, dy in raw_pairs[name]:
-                assert dy is not None
-                raw = block.raw_grads(xa, dy)
-                saved, block.scale = block.scale, 1.0
-                trans = block.transform_grads(raw)
-                block.scale = saved
-                rsq = raw.pow(2).flatten(1).sum(1).double().cpu()
-                raw_sq += rsq
-                unit_raw_sq[name] = unit_raw_sq.get(name, 0) + rsq
-                sq = trans.pow(2).flatten(1).sum(1).double().cpu()
-                unit_sq[name] = unit_sq.get(name, 0) + sq
-        if self.fallbacks:
-            # Per-sample gradients of norm affines etc. from the same pass through Opacus'
-            # per-layer formulas; anything else (raw parameters) by one backward per sample.
-            got: dict[int, Tensor] = {}
-            for name, module in owners.items():
-                for xa, dy in raw_pairs[name]:
-                    for p, g in _OPACUS_SAMPLERS[type(module)](module, [xa], dy).items():
-                        got[id(p)] = got[id(p)] + g if id(p) in got else g
-            rest = [fb.param for fb in self.fallbacks.values() if id(fb.param) not in got]
-            if rest:
-                loop = [
-                    torch.autograd.grad(
-                        loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum(), rest, allow_unused=True
-                    )
-                    for i in range(n)
-                ]
-                for j, p in enumerate(rest):
-                    got[id(p)] = torch.stack(
-                        [g[j] if g[j] is not None else torch.zeros_like(p) for g in loop]
-                    )
-            for fb in self.fallbacks.values():
-                gs = got[id(fb.param)].detach()
-                if cfg.fallback is FallbackRule.DIAGONAL or cfg.family is Family.DIAGONAL:
-                    second = gs.pow(2).mean(0)
-                    fb.diag = inverse_sqrt(
-                        second.flatten().unsqueeze(0), cfg.fallback_damping
-                    ).reshape(fb.param.shape)
-                rsq = gs.pow(2).flatten(1).sum(1).double().cpu()
-                raw_sq += rsq
-                key = f"{fb.module_name} (fallback)"
-                unit_raw_sq[key] = unit_raw_sq.get(key, 0) + rsq
-                saved, fb.scale = fb.scale, 1.0
-                unit_sq[key] = (
-                    unit_sq.get(key, 0) + fb.transform(gs).pow(2).flatten(1).sum(1).double().cpu()
-                )
-                fb.scale = saved
-        total_sq = sum(unit_sq.values()) if unit_sq else torch.zeros(n, dtype=torch.float64)
-        raw_med = float(raw_sq.sqrt().median())
-        trans_med = float(torch.as_tensor(total_sq).sqrt().median())
-        global_s = raw_med / trans_med if trans_med > 0 and raw_med > 0 else 1.0
-        scales: dict[str, float] = {}
-        if cfg.scaling is ScaleRule.NONE:
-            scales = {k: 1.0 for k in unit_sq}
-        elif cfg.scaling is ScaleRule.GLOBAL:
-            scales = {k: global_s for k in unit_sq}
-        else:
-            for k, sq in unit_sq.items():
-                if cfg.scaling is ScaleRule.PER_LAYER_RAW:
-                    target = float(torch.as_tensor(unit_raw_sq[k]).sqrt().median())
-                else:
-                    target = raw_med / math.sqrt(max(len(unit_sq), 1))
-                med = float(sq.sqrt().median())
-                scales[k] = target / med if med > 0 and target > 0 else global_s
-        for name, block in self.blocks.items():
-            block.scale = scales.get(name, global_s if cfg.scaling is ScaleRule.GLOBAL else 1.0)
-        for fb in self.fallbacks.values():
-            fb.scale = scales.get(f"{fb.module_name} (fallback)", global_s)
-        share = {k: float((v * scales.get(k, 1.0) ** 2).sum()) for k, v in unit_sq.items()}
-        tot = sum(share.values()) or 1.0
-        return {
-            "calibration_samples": n,
-            "probe_median_raw_norm": raw_med,
-            "probe_median_transformed_norm_unscaled": trans_med,
-            "scale": global_s,
-            "layer_scales": scales,
-            "probe_layer_share": {k: v / tot for k, v in share.items()},
-        }
 
     # ---------------------------------------------------------------------------- use
     def fingerprint(self) -> float:
@@ -525,53 +405,7 @@ class KroneckerPreconditioner:
 
     def coverage(self) -> list[dict[str, Any]]:
         """One row per covered layer and per fallback parameter."""
-        rows: list[dict[str, Any]] = []
-        for name, b in self.blocks.items():
-            g, n_a, n_g = b.dims
-            rows.append(
-                {
-                    "layer": name,
-                    "type": type(b.module).__name__,
-                    "adapter": b.adapter.name,
-                    "family": Family(self.config.family).value,
-                    "groups": g,
-                    "A_dim": n_a,
-                    "G_dim": n_g,
-                    "A": "elementwise"
-                    if b.u_elem is not None
-                    else "kron"
-                    if b.a_kron is not None
-                    else f"rank {b.a_low.rank} + tail"
-                    if b.a_low is not None
-                    else "none"
-                    if b.u_a is None
-                    else ("diagonal" if b.u_a.dim() == 2 else "full"),
-                    "G": "elementwise"
-                    if b.u_elem is not None
-                    else "none"
-                    if b.u_g is None
-                    else ("diagonal" if b.u_g.dim() == 2 else "full"),
-                    "scale": b.scale,
-                    "params": sum(p.numel() for p in b.module.parameters(recurse=False)),
-                }
-            )
-        for name, fb in self.fallbacks.items():
-            rows.append(
-                {
-                    "layer": name,
-                    "type": "parameter",
-                    "adapter": f"fallback:{'diagonal' if fb.diag is not None else 'identity'}",
-                    "family": Family(self.config.family).value,
-                    "groups": 1,
-                    "A_dim": 0,
-                    "G_dim": 0,
-                    "A": "none",
-                    "G": "none",
-                    "scale": fb.scale,
-                    "params": fb.param.numel(),
-                }
-            )
-        return rows
+        return coverage_rows(self.blocks, self.fallbacks, self.config.family)
 
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description for the privacy report.
@@ -589,35 +423,6 @@ class KroneckerPreconditioner:
             "eig_fallbacks": [],
             **self.info,
         }
-
-
-def coverage_shares(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Shares of the trainable parameters by what the coverage table gave them.
-
-    Args:
-        rows: :meth:`KroneckerPreconditioner.coverage` rows.
-
-    Returns:
-        ``{"trainable": n, "full_block": share in a block of the family whose factors are
-        full matrices (dense, low-rank plus tail, Kronecker-structured or elementwise for the
-        diagonal family), "diagonal_block": share in a block whose activation-side factor
-        was reduced to its diagonal (``max_factor_dim``), "fallback": share under the
-        fallback rule}``; shares sum to 1.
-    """
-    total = sum(int(r["params"]) for r in rows)
-    fallback = sum(int(r["params"]) for r in rows if str(r["adapter"]).startswith("fallback"))
-    diagonal = sum(
-        int(r["params"])
-        for r in rows
-        if not str(r["adapter"]).startswith("fallback") and r["A"] == "diagonal"
-    )
-    share = (lambda n: n / total) if total else (lambda n: 0.0)
-    return {
-        "trainable": total,
-        "full_block": share(total - fallback - diagonal),
-        "diagonal_block": share(diagonal),
-        "fallback": share(fallback),
-    }
 
 
 def coverage_summary(model: nn.Module) -> list[dict[str, Any]]:
