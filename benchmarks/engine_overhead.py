@@ -9,8 +9,7 @@ Two ways of taking the same private DP-KFC steps, side by side in one process:
   ``training/run.py`` attaches to every step (``LrScheduleHandler``,
   ``PrivacyBudgetHandler``, ``HistoryHandler``, ``ProgressBarHandler`` with the bar off), one
   ``trainer.run()`` of ``max_epochs=1`` per block, ``epoch_length`` the block's steps;
-* ``bare``: the body of the deleted ``training/loop.py::_train_epoch`` written out by hand (no
-  Ignite): unpack, move, learning rate from ``lr_factor``, ``zero_grad``, forward under
+* ``bare``: the same step as a plain Python loop written out by hand (no Ignite): unpack, move, learning rate from ``lr_factor``, ``zero_grad``, forward under
   autocast, per-sample loss, ``.sum().backward()``, ``set_unit_ids``, ``popt.step()``,
   history and diagnostics, the RDP epsilon after every step and the exact one on the
   accountant's grid and at the epoch's end, the (disabled) tqdm postfix.
@@ -279,7 +278,7 @@ def bare_block(case: Case, batches: list[Any], stamps: list[tuple[float, int]]) 
 
 
 def _track_epsilon(state: dict[str, Any], engine: Any, *, epoch_end: bool) -> None:
-    """The old loop's ``_track_epsilon``: RDP epsilon every step, the exact one on the grid."""
+    """The plain loop's ``_track_epsilon``: RDP epsilon every step, the exact one on the grid."""
     from dpkfc_med.privacy.accounting import rdp_epsilon
     from dpkfc_med.report.history import epsilon_rule, on_epsilon_grid
     from dpkfc_med.report.numbers import format_epsilon
@@ -291,7 +290,7 @@ def _track_epsilon(state: dict[str, Any], engine: Any, *, epoch_end: bool) -> No
 
 
 def _list_epsilon(state: dict[str, Any], engine: Any) -> None:
-    """The old loop's ``_list_epsilon``: the current step's exact epsilon in the history."""
+    """The plain loop's ``_list_epsilon``: the current step's exact epsilon in the history."""
     from dpkfc_med.privacy.accounting import Accountant
     from dpkfc_med.report.numbers import format_epsilon
 
@@ -478,7 +477,7 @@ def render(result: dict[str, Any], out: Path) -> None:
         f"after an untimed warm-up block of {st['warmup']} steps. `engine`: `PrivateTrainer` "
         "with the per-step handlers of `training/run.py` (learning-rate schedule, privacy "
         "budget, history, progress bar off), one `run()` of one epoch per block; `bare`: the "
-        "deleted loop's `_train_epoch` body written out, no Ignite. Both drive the same private "
+        "same step body as a plain Python loop, no Ignite. Both drive the same private "
         "optimizer, network, ledger file and plan (`python -m benchmarks engine-overhead`; the "
         "method is in the script's docstring).",
         "",
@@ -496,7 +495,7 @@ def render(result: dict[str, Any], out: Path) -> None:
         "",
         "One more block of each arm under `cProfile` (ms per step, profiler overhead included; "
         "a handler's time is its own call from Ignite's event dispatch; epsilon tracking is "
-        "`PrivacyBudgetHandler.track` and `epoch_completed`, or the old loop's functions; "
+        "`PrivacyBudgetHandler.track` and `epoch_completed`, or the plain loop's functions; "
         "which steps list an exact epsilon differs between the arms):",
         "",
     ]
