@@ -294,6 +294,8 @@ def _bundle_task(
 
     class _Task(Task):
         def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+            if self.kind == "segmentation" and targets.ndim == outputs.ndim - 1:
+                targets = targets.unsqueeze(1)  # class-id maps of probes: MONAI's [N, 1, *S]
             return _per_sample(loss)(outputs, targets)
 
         def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:

@@ -187,9 +187,17 @@ def test_monai_bundle_run_with_the_private_overlay(bundle, data_dir, tmp_path):
         **{
             "dpkfc_med#out": str(out),
             "dpkfc_med#override": [*_overrides(data_dir, num_train=2), "validate#dataset#data=$[]"],
-            "dpkfc_med#set": ["training.progress=false", "training.eval_every=5"],
+            # data-free pretraining works on a bundle's network and loss as on the registry's
+            "dpkfc_med#set": [
+                "training.progress=false",
+                "training.eval_every=5",
+                "pretrain.steps=2",
+                "pretrain.batch_size=2",
+                "pretrain.cache_dir=null",
+            ],
         },
     )
     report = json.loads((out / "privacy_report.json").read_text())
     assert report["status"] == "complete"
     assert 7.0 < report["privacy"]["epsilon"]["prv"] <= 8.0
+    assert report["training"]["pretraining"]["steps"] == 2
