@@ -429,7 +429,12 @@ def prepare_bundle(
     batch = int(_get(parser, "train#dataloader#batch_size", 2) or 2)
     lr = float(parser["optimizer#lr"]) if _has(parser, "optimizer#lr") else 1e-3
     opt_target = str(parser["optimizer#_target_"]) if _has(parser, "optimizer#_target_") else ""
-    optimizer = "adam" if "adam" in opt_target.lower() else "sgd"
+    optimizer = "adam" if opt_target.rsplit(".", 1)[-1].lower() == "adam" else "sgd"
+    if opt_target and opt_target.rsplit(".", 1)[-1].lower() not in ("adam", "sgd"):
+        replaced.append(
+            f"optimizer ({opt_target}): replaced by SGD with its lr (the private engine trains "
+            "with SGD, Adam or DP-AdamBC; choose with --set training.optimizer=adam)"
+        )
     name = bundle.resolve().name
     raw: dict[str, Any] = {
         "name": name,
