@@ -33,6 +33,27 @@ def _plt() -> Any:
     return plt
 
 
+def _log_ticks(axis: Any) -> None:
+    """Label a log axis with plain numbers, fewer per decade the more decades it spans.
+
+    Matplotlib labels minor ticks as ``2 x 10^-1`` when the axis spans about one decade, and
+    those labels run into each other; the density here keeps the labels apart.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    low, high = sorted(abs(v) for v in axis.get_view_interval())
+    decades = math.log10(high / low) if low > 0 else math.inf
+    if decades < 0.5:
+        subs: tuple[float, ...] = tuple(range(1, 10))
+    elif decades < 1:
+        subs = (1.0, 2.0, 3.0, 5.0)
+    else:
+        subs = (1.0, 2.0, 5.0) if decades <= 2 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_image_spectra(
     spectra: Sequence[ImageSpectrum], *, title: str = "", normalise: bool = True
 ) -> Figure:
@@ -53,6 +74,7 @@ def plot_image_spectra(
         (line,) = ax.loglog(s.freqs, s.power / ref, label=f"{s.label}{tag}: alpha={s.alpha:.2f}")
         f = s.freqs[keep]
         ax.loglog(f, s.fitted_power(f) / ref, "--", color=line.get_color(), lw=1)
+    _log_ticks(ax.xaxis)
     ax.set_xlabel("radial frequency (cycles/mm)")
     ax.set_ylabel("power (normalised)" if normalise else "power")
     ax.set_title(title or "radially averaged power spectra (dashed: fit)")
@@ -75,6 +97,8 @@ def plot_eigenvalue_decay(
         title: Figure title.
     """
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     first = next(iter(sets.values()))
     names = list(layers or first.layers)
     roles = first.roles
@@ -89,7 +113,9 @@ def plot_eigenvalue_decay(
                 tag = " (private, not DP)" if fs.uses_private_data else ""
                 ax.semilogy(ev.numpy(), label=f"{name}{tag}", lw=1)
             ax.set_title(f"{layer}: {role}", fontsize=8)
-            ax.tick_params(labelsize=6)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            _log_ticks(ax.yaxis)
+            ax.tick_params(which="both", labelsize=6)
     axes[0][0].legend(fontsize=6)
     fig.suptitle(title or f"{first.family.value} eigenvalue decay (lambda_i / lambda_1)")
     fig.tight_layout()

@@ -23,8 +23,9 @@ def _figures() -> dict[str, float]:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.setenv("DPKFC_NB_TOY", "1")
+    monkeypatch.setenv("DPKFC_NB_OUT", str(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # the kernel gets this worker's share of the cores (pytest-xdist runs two workers)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -42,8 +43,13 @@ def test_notebook_runs(path, monkeypatch):
         if o.output_type == "error"
     ]
     assert not errors
-    # toy runs never overwrite the figures saved by full-size runs
+    # runs of any size write their figures beside their runs, never over the committed ones
     assert _figures() == before
+    if any("def save(" in c.source for c in nb.cells):
+        (out,) = tmp_path.iterdir()  # one new folder per execution
+        assert out.name.startswith(path.stem) and any(out.glob("*.png"))
+        if any("train(" in c.source for c in nb.cells):
+            assert (out / "runs").is_dir()  # the training runs lie beside the figures
     assert len(NOTEBOOKS) >= 1 and os.environ["DPKFC_NB_TOY"] == "1"
 
 
