@@ -27,6 +27,7 @@ GROUPS = (
     ("Segmentation", "segmentation_"),
     ("Federated sites", "federated_"),
     ("Empirical privacy audit", "audit_"),
+    ("Accounted tuning", "tuning_"),
     ("Cost", "cost_"),
 )
 
@@ -42,6 +43,9 @@ DESCRIPTIONS = {
     "segmentation_hippocampus": "MSD hippocampus, MONAI 3D UNet, one patient = one unit, epsilon 8, 3 and 1; per-layer evidence, tuning runs and the lever study.",
     "federated_hippocampus": "MSD hippocampus over 3 Flower sites (every third training case each), DP-KFC at epsilon 8 per site, against the pooled shipped run.",
     "audit_pneumonia_cnn": "One-run empirical lower bound on epsilon (5000 canaries) for the demo config.",
+    "tuning_adrenal3d": "AdrenalMNIST3D, 3D small CNN, total epsilon 8 and 3: `dpkfc-med tune` against the grid chosen on private validation without noise and against the shipped config untuned, 3 seeds.",
+    "tuning_hippocampus": "MSD hippocampus, 3D UNet, total epsilon 8, one seed: the same three arms.",
+    "tuning_pneumonia_cnn": "PneumoniaMNIST, small CNN, total epsilon 8: the first protocol of the tuning study (best-validation epochs, unaccounted arm at the total epsilon).",
     "cost_cpu": "Step time, peak memory and refresh share against Opacus on 2 CPU cores, default settings.",
     "cost_cpu_conv_a_kron": "The same with the structured convolution factor (`preconditioner.conv_a: kron`).",
     "cost_cpu_densenet121_rank_a64": "DenseNet121 alone with the low-rank A factor (`rank_a: 64`).",

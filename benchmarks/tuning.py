@@ -345,6 +345,8 @@ def summarize(data: dict[str, Any]) -> str:
     head = ["total epsilon", "arm", "seeds", *[f"test {n.replace('_', ' ')}" for n in names]]
     lines += table([*head, "chosen", "trials drawn", "noise multiplier"], rows)
     lines += ["", *_paired(data, names[0]), ""]
+    if data.get("reading"):  # written by hand into the JSON once a study has finished
+        lines += ["## Reading", "", *[f"{para}\n" for para in data["reading"]]]
     return "\n".join(lines)
 
 
