@@ -161,7 +161,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "Refuses an incomplete run and a run whose ledger epsilon exceeds its target; a "
         f"non-private run is exported marked {NO_GUARANTEE}.",
     )
-    x.add_argument("run_dir")
+    x.add_argument("run_dir", help="a finished run (train --out) or accounted tuning (tune --out)")
     x.add_argument("out_dir", help="the bundle folder to create (new or empty)")
     t = bsub.add_parser(
         "train",
@@ -365,6 +365,8 @@ def _tune(args: argparse.Namespace) -> int:
         best = record["trials"][record["selected"]]
         print(f"released: {out}/model.pt, trial {best['index']} {best['params']}")
     print(f"report: {out}/tuning_report.md")
+    if record["selected"] is not None:
+        print(f"bundle: dpkfc-med bundle export {out} BUNDLE_DIR")
     return 0
 
 
