@@ -21,8 +21,10 @@ those components through the project's one private engine
   unless ``training.select_epoch: best_val``); its ``CheckpointSaver`` keyed on a metric is
   replaced by the run's budget-safe checkpoint.
 
-What would break the guarantee is refused with the id, the reason and the fix
-(:class:`BundleConfigError`).
+What would break the guarantee (a sampler or shuffle of its own, MONAI's ``amp``, a checkpoint
+kept for its validation metric) is replaced by the private equivalent and named by its id in the
+report; what cannot be used (no data list, no loss, probe shapes missing from the metadata) is
+refused with the id and the fix (:class:`BundleConfigError`).
 """
 
 from __future__ import annotations
@@ -124,15 +126,19 @@ def _has(parser: Any, key: str) -> bool:
     return True
 
 
-def guarantee_problems(parser: Any) -> tuple[list[str], list[str]]:
-    """``(refused, replaced)``: settings that break the guarantee, and those replaced."""
-    refused, replaced = [], []
+def guarantee_problems(parser: Any) -> list[str]:
+    """The settings that would break the guarantee, each replaced by the private equivalent.
+
+    One sentence per setting, naming its id; the report lists them.
+    """
+    replaced: list[str] = []
     if _has(parser, "train#trainer#amp") and parser["train#trainer#amp"] in (True, "true"):
-        refused.append(
-            "train#trainer#amp: true: MONAI's autocast with a batch-mean loss makes each "
-            "sample's gradient depend on the secret batch size; set it to false "
-            "(--override train#trainer#amp=false); bf16 is available through the private "
-            "engine's per-sample loss sum"
+        replaced.append(
+            "train#trainer#amp: true: replaced by the private engine's precision "
+            "(training.precision: float32, or bf16 on a GPU with --set training.precision=bf16, "
+            "which keeps per-sample gradients, clipping and noise in float32; MONAI's autocast "
+            "of a batch-mean loss would make each sample's gradient depend on the secret batch "
+            "size)"
         )
     for key in ("train#dataloader#sampler", "train#dataloader#shuffle"):
         if _has(parser, key) and parser[key] not in (None, False, "false"):
@@ -156,7 +162,7 @@ def guarantee_problems(parser: Any) -> tuple[list[str], list[str]]:
                         "LrScheduleHandler": "learning-rate schedule (training.lr_schedule)",
                     }[name]
                 )
-    return refused, replaced
+    return replaced
 
 
 class _UnitItems(Dataset):
@@ -365,12 +371,7 @@ def _key_metric(parser: Any) -> str:
 
 def _run_evaluator(parser: Any, model: nn.Module, device: torch.device) -> dict[str, Any]:
     """Run the bundle's ``validate#evaluator`` on ``model`` (custodian-only statistics)."""
-    parser["network"] = model
-    parser["validate#handlers"] = [
-        h
-        for h in (parser["validate#handlers"] if _has(parser, "validate#handlers") else [])
-        if str(h.get("_target_", "")).rsplit(".", 1)[-1] not in REPLACED_HANDLERS
-    ]
+    parser["network"] = model  # validate#handlers were filtered by _user_handlers
     evaluator = parser.get_parsed_content("validate#evaluator", lazy=False)
     evaluator.network = model
     was = model.training
@@ -420,9 +421,7 @@ def prepare_bundle(
 
     bundle = Path(bundle_dir)
     parser = load_bundle(bundle, overrides)
-    refused, replaced = guarantee_problems(parser)
-    if refused:
-        raise BundleConfigError(refused)
+    replaced = guarantee_problems(parser)
     fmt = _network_format(parser, {})
     network_def = parser.get_parsed_content("network_def", instantiate=False).get_config()
     epochs = int(_get(parser, "train#trainer#max_epochs", 1) or 1)
@@ -475,31 +474,41 @@ def prepare_bundle(
 
 
 def _user_handlers(parser: Any, run_dir: Path) -> tuple[list[Any], list[str]]:
-    """The bundle's own train handlers that stay (``StatsHandler``, TensorBoard, MLflow).
+    """The bundle's own handlers that stay (``StatsHandler``, TensorBoard, MLflow).
 
-    What they log is un-noised private statistics: their output folders move into the run's
-    custodian folder, and the report lists them as not covered.
+    The replaced ones (:data:`REPLACED_HANDLERS`) are dropped from ``train#handlers`` and
+    ``validate#handlers``. What the others log is un-noised private statistics: their output
+    folders move into the run's custodian folder, and the report lists them as not covered.
+
+    Returns:
+        The instantiated train handlers (to attach to the private trainer) and the names of
+        every handler kept in either section.
     """
     from dpkfc_med.report.custodian import PRIVATE_DIR
 
-    if not _has(parser, "train#handlers"):
-        return [], []
-    kept, names = [], []
-    for h in parser["train#handlers"] or []:
-        target = str(h.get("_target_", "")) if isinstance(h, dict) else ""
-        name = target.rsplit(".", 1)[-1]
-        if not name or name in REPLACED_HANDLERS:
+    names: list[str] = []
+    for section in ("train#handlers", "validate#handlers"):
+        if not _has(parser, section):
             continue
-        h = dict(h)
-        folder = run_dir / PRIVATE_DIR / name
-        if name.startswith("TensorBoard"):
-            h["log_dir"] = str(folder)
-        elif name.startswith("MLFlow"):
-            h["tracking_uri"] = folder.resolve().as_uri()
-        kept.append(h)
-        names.append(name)
-    parser["train#handlers"] = kept
-    return list(_get(parser, "train#handlers", []) or []), names
+        kept = []
+        for h in parser[section] or []:
+            target = str(h.get("_target_", "")) if isinstance(h, dict) else ""
+            name = target.rsplit(".", 1)[-1]
+            if not name or name in REPLACED_HANDLERS:
+                continue
+            h = dict(h)
+            folder = run_dir / PRIVATE_DIR / f"{section.split('#')[0]}_{name}"
+            if name.startswith("TensorBoard"):
+                h["log_dir"] = str(folder)
+            elif name.startswith("MLFlow"):
+                h["tracking_uri"] = folder.resolve().as_uri()
+            kept.append(h)
+            names.append(name if section.startswith("train") else f"{name} (validation)")
+        parser[section] = kept
+    handlers = (
+        list(_get(parser, "train#handlers", []) or []) if _has(parser, "train#handlers") else []
+    )
+    return handlers, names
 
 
 def train_bundle(

@@ -143,16 +143,18 @@ def test_the_same_bundle_runs_non_privately_with_monai_alone(bundle, data_dir):
     assert (bundle / "models" / "model.pt").is_file()  # its CheckpointSaver did run
 
 
-def test_guarantee_breaking_settings_are_refused_or_replaced_by_id(data_dir, tmp_path):
-    from dpkfc_med.bundle.zoo import BundleConfigError, guarantee_problems, load_bundle
+def test_guarantee_breaking_settings_are_replaced_and_named_by_id(data_dir):
+    from dpkfc_med.bundle.zoo import guarantee_problems, load_bundle, prepare_bundle
 
-    with pytest.raises(BundleConfigError, match=r"train#trainer#amp.*--override"):
-        from dpkfc_med.bundle.zoo import prepare_bundle
-
-        prepare_bundle(BUNDLE, epsilon=8, overrides=["train#trainer#amp=true"])
-    refused, replaced = guarantee_problems(load_bundle(BUNDLE, [f"dataset_dir={data_dir}"]))
-    assert refused == []
+    b = prepare_bundle(
+        BUNDLE, epsilon=8, overrides=[f"dataset_dir={data_dir}", "train#trainer#amp=true"]
+    )
+    assert any(r.startswith("train#trainer#amp: true: replaced") for r in b.replaced)
+    assert b.cfg.training.precision == "float32"
+    replaced = guarantee_problems(load_bundle(BUNDLE, [f"dataset_dir={data_dir}"]))
     assert any(r.startswith("validate#handlers#0 (CheckpointSaver)") for r in replaced)
+    # the bundle's own StatsHandler stays, attached to the private trainer
+    assert [type(h).__name__ for h in b.handlers] == ["StatsHandler"]
 
 
 def test_items_sharing_the_unit_key_form_one_unit(data_dir):
