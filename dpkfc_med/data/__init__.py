@@ -1,5 +1,6 @@
 """Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; patient unit ids and image fingerprints; data-root resolution."""  # noqa: E501
 
+from dpkfc_med.data.cases import SegmentationCase, SegmentationCases
 from dpkfc_med.data.dicom import list_dicom_series, read_dicom_series
 from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
 from dpkfc_med.data.fingerprint import count_shared, image_digests
@@ -10,18 +11,7 @@ from dpkfc_med.data.medmnist import (
     load_medmnist,
     medmnist_info,
 )
-from dpkfc_med.data.nifti import (
-    CropMode,
-    IntensityNorm,
-    SegmentationCase,
-    SegmentationCases,
-    VolumeDataset,
-    deterministic_split,
-    load_segmentation_folder,
-    load_split,
-    save_split,
-    segmentation_transforms,
-)
+from dpkfc_med.data.nifti import load_segmentation_folder
 from dpkfc_med.data.paths import (
     DATA_ENV_VAR,
     data_roots,
@@ -29,12 +19,15 @@ from dpkfc_med.data.paths import (
     resolve_data_path,
     sha256_file,
 )
+from dpkfc_med.data.splits import deterministic_split, load_split, save_split
+from dpkfc_med.data.transforms import CropMode, IntensityNorm, segmentation_transforms
 from dpkfc_med.data.units import (
     UnitCollate,
     UnitImageDataset,
     group_by_unit,
     read_unit_ids_csv,
 )
+from dpkfc_med.data.volumes import VolumeDataset
 
 __all__ = [
     "DATA_ENV_VAR",

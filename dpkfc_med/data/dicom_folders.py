@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from dpkfc_med.data.errors import DataValidationError
-from dpkfc_med.data.nifti import (
+from dpkfc_med.data.cases import (
     SegmentationCase,
     SegmentationCases,
-    _case_id,
-    _header_facts,
-    _is_nifti,
+    case_id_from_path,
+    header_facts,
+    is_nifti_file,
 )
+from dpkfc_med.data.errors import DataValidationError
 
 __all__ = ["DicomSegmentationCase", "is_dicom_series_folder", "load_dicom_segmentation_folder"]
 
@@ -135,7 +135,7 @@ def is_dicom_series_folder(root: str | Path) -> bool:
     if (root / "dataset.json").is_file() or not root.is_dir():
         return False
     image_root = _image_root(root)
-    if image_root != root and any(_is_nifti(p) for p in image_root.iterdir()):
+    if image_root != root and any(is_nifti_file(p) for p in image_root.iterdir()):
         return False
     for folder in _case_folders(root)[:3]:
         for i, path in enumerate(p for p in folder.rglob("*") if p.is_file()):
@@ -162,7 +162,7 @@ def _scan_case(folder: Path, cid: str) -> _CaseScan:
     scan = _CaseScan()
     for path in _files_under(folder):
         rel = f"{cid}/{path.relative_to(folder)}"
-        if _is_nifti(path):
+        if is_nifti_file(path):
             scan.niftis.append(path)
             continue
         try:
@@ -314,12 +314,12 @@ def _grid_mismatch(cid: str, label: Path, ishape: Sequence[int], lshape: Sequenc
 
 def _header_grid_problem(cid: str, slices: Sequence[_Slice], label: Path) -> str | None:
     """Compare a NIfTI label's shape with the series' from the headers, before any conversion."""
-    if not _is_nifti(label):
+    if not is_nifti_file(label):
         return None  # a DICOM-SEG is read on the series' slices
     rows, cols = slices[0].size
     ishape = (cols, rows, len(slices))  # NIfTI (X, Y, Z): columns, rows, slices
     try:
-        lshape = _header_facts(label)[0]
+        lshape = header_facts(label)[0]
     except Exception as err:  # nibabel raises several types for corrupt / foreign files
         return (
             f"case {cid}: label {label.name} is unreadable or corrupt ({type(err).__name__}: "
@@ -399,7 +399,7 @@ def _convert_case(
     key = _cache_key(root, uid, slices, label)
     folder = cache / cid / key
     image_path = folder / f"{cid}.nii.gz"
-    label_is_seg = not _is_nifti(label)
+    label_is_seg = not is_nifti_file(label)
     label_path = folder / f"{cid}_seg.nii.gz" if label_is_seg else label
     if not (image_path.is_file() and label_path.is_file()):
         reader = sitk.ImageSeriesReader()
@@ -423,9 +423,9 @@ def _convert_case(
             lab = sitk.GetImageFromArray(seg.astype(np.uint16 if seg.max() > 255 else np.uint8))
             lab.CopyInformation(image)
             _write_atomic(lab, label_path)
-    ishape, izoom, idtype = _header_facts(image_path)
+    ishape, izoom, idtype = header_facts(image_path)
     try:
-        lshape, lzoom, ldtype = _header_facts(label_path)
+        lshape, lzoom, ldtype = header_facts(label_path)
         laffine = np.asarray(nib.load(str(label_path)).affine)  # type: ignore[attr-defined]
     except Exception as err:
         return [
@@ -541,8 +541,8 @@ def load_dicom_segmentation_folder(
     label_dir = root / "labelsTr"
     if label_dir.is_dir():
         for p in _files_under(label_dir):
-            if _is_nifti(p):
-                nifti_labels[_case_id(p)] = p
+            if is_nifti_file(p):
+                nifti_labels[case_id_from_path(p)] = p
             elif _looks_dicom(p):
                 try:
                     seg_labels[p] = _seg_series_uids(p)
@@ -566,7 +566,9 @@ def load_dicom_segmentation_folder(
         candidates = [*scan.niftis, *scan.segs]
         if cid in nifti_labels:
             candidates.append(nifti_labels[cid])
-        candidates += [p for p, refs in seg_labels.items() if _case_id(p) == cid or uid in refs]
+        candidates += [
+            p for p, refs in seg_labels.items() if case_id_from_path(p) == cid or uid in refs
+        ]
         candidates = sorted(set(candidates))
         used_labels.update(candidates)
         if not candidates:

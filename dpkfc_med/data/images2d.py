@@ -92,8 +92,8 @@ def _by_stem(folder: Path, kind: str, problems: list[tuple[str | None, str]]) ->
 
 
 def _check_pair(cid: str, image: Path, mask: Path) -> Any:
-    """The :class:`~dpkfc_med.data.nifti.SegmentationCase` of a pair, or its problems."""
-    from dpkfc_med.data.nifti import SegmentationCase
+    """The :class:`~dpkfc_med.data.cases.SegmentationCase` of a pair, or its problems."""
+    from dpkfc_med.data.cases import SegmentationCase
 
     facts, problems = {}, []
     for kind, p in (("image", image), ("mask", mask)):
@@ -153,7 +153,7 @@ def load_image_mask_folder(
 
     Header checks (pairing, readability, modes, image/mask size) run for every case and are
     reported together; label values are checked when a case is read
-    (:meth:`~dpkfc_med.data.nifti.SegmentationCases.validate_all`).
+    (:meth:`~dpkfc_med.data.cases.SegmentationCases.validate_all`).
 
     Args:
         path: The folder holding ``images/`` and ``masks/``.
@@ -164,12 +164,12 @@ def load_image_mask_folder(
         case_ids: Only index these stems; problems of other cases are not reported.
 
     Returns:
-        :class:`~dpkfc_med.data.nifti.SegmentationCases` read with MONAI's ``PILReader``.
+        :class:`~dpkfc_med.data.cases.SegmentationCases` read with MONAI's ``PILReader``.
 
     Raises:
         DataValidationError: Every problem, each naming the case and the file.
     """
-    from dpkfc_med.data.nifti import SegmentationCases
+    from dpkfc_med.data.cases import SegmentationCases
 
     root = Path(path).expanduser()
     notes: list[tuple[str | None, str]] = []

@@ -1,7 +1,7 @@
 """2D samples from NIfTI files: slices of a 3D volume, and 2-D images stored as ``(X, Y, 1)``.
 
 Slices of volumes keep the volume (patient) as the privacy unit. :class:`RandSlicesd` turns one
-volume into the ``k`` slices of one draw, so :class:`~dpkfc_med.data.nifti.VolumeDataset` still
+volume into the ``k`` slices of one draw, so :class:`~dpkfc_med.data.volumes.VolumeDataset` still
 returns one item per volume holding all of its samples, the sampler draws volumes, and the
 trainer sums a volume's per-slice gradients before clipping (as it sums the patches of a 3D
 volume). Which slices a draw takes is a function of the rule (a config constant), the volume's
@@ -95,7 +95,7 @@ class RandSlicesd(Randomizable):
     Each record copies the input record with ``keys`` replaced by one slice ``[C, *plane]``
     (a plain tensor: the volume's affine does not describe a slice) and adds ``slice_index``.
     Positions come from :meth:`SliceRule.positions` with this transform's own random state,
-    which :class:`~dpkfc_med.data.nifti.VolumeDataset` reseeds per volume and draw.
+    which :class:`~dpkfc_med.data.volumes.VolumeDataset` reseeds per volume and draw.
 
     Args:
         rule: The slice rule.

@@ -140,8 +140,8 @@ def test_sha256_matches_shipped_sums(pneumonia_path: Path, shared_sha256: dict) 
 def test_docstring_examples() -> None:
     import doctest
 
-    from dpkfc_med.data import nifti, paths
+    from dpkfc_med.data import paths, splits
 
-    for module in (paths, nifti):
+    for module in (paths, splits):
         result = doctest.testmod(module, verbose=False)
         assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -1,0 +1,271 @@
+"""Segmentation cases: the index of image/label pairs, read from their file headers.
+
+A :class:`SegmentationCases` holds header facts only (shape, spacing, dtypes); voxels are read
+on demand (:meth:`SegmentationCases.load_case`) or all at once to check every label map
+(:meth:`SegmentationCases.validate_all`). The folder readers that build it are
+:mod:`.nifti` (NIfTI folders, MSD ``dataset.json``), :mod:`.dicom_folders` (DICOM series) and
+:mod:`.images2d` (PNG / JPEG). Problems are collected and raised once, each naming its case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpkfc_med.data.errors import DataValidationError
+
+__all__ = [
+    "SegmentationCase",
+    "SegmentationCases",
+    "case_id_from_path",
+    "header_facts",
+    "is_nifti_file",
+    "label_value_problem",
+    "read_array",
+]
+
+_NIFTI_SUFFIXES = (".nii.gz", ".nii")
+
+
+def case_id_from_path(path: Path) -> str:
+    """The case ID of a file: its name without ``.nii(.gz)`` (else without its suffix)."""
+    name = path.name
+    for suffix in _NIFTI_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+def is_nifti_file(path: Path) -> bool:
+    """Whether ``path`` is a visible ``.nii`` / ``.nii.gz`` file."""
+    # macOS "._name" resource forks ship inside the official MSD tarballs; they are not images.
+    return path.is_file() and path.name.endswith(_NIFTI_SUFFIXES) and not path.name.startswith(".")
+
+
+@dataclass(frozen=True)
+class SegmentationCase:
+    """Header facts of one image/label pair; no voxel data is held.
+
+    Attributes:
+        case_id: File name without ``.nii(.gz)``, e.g. ``"hippocampus_001"``.
+        image_path: The image file.
+        label_path: The label map file.
+        shape: Spatial shape ``(X, Y, Z)`` in NIfTI voxel order (MONAI keeps this order, so
+            tensors are ``[C, X, Y, Z]``); ``(X, Y)`` for a 2-D image (``(W, H)`` for PNG).
+        spacing: Voxel size in mm along each axis of ``shape`` from the header zooms (1.0
+            for PNG / JPEG pixels).
+        image_dtype: On-disk image dtype, e.g. ``"float32"``.
+        label_dtype: On-disk label dtype.
+        channels: Image channels (a 4-D NIfTI stores them last; 1 for a 3-D image).
+    """
+
+    case_id: str
+    image_path: Path
+    label_path: Path
+    shape: tuple[int, ...]
+    spacing: tuple[float, ...]
+    image_dtype: str
+    label_dtype: str
+    channels: int = 1
+
+
+def label_value_problem(
+    values: np.ndarray, allowed: Sequence[int] | None, case_id: str, file_name: str, source: str
+) -> str | None:
+    """Describe why the unique label ``values`` of a case are not valid, or return ``None``."""
+    if values.dtype.kind == "f" and not np.array_equal(values, np.round(values)):
+        bad = values[values != np.round(values)][:5].tolist()
+        return (
+            f"case {case_id}: {file_name} holds non-integer label values {bad}; "
+            "label maps must hold whole class indices"
+        )
+    ints = values.astype(np.int64)
+    if allowed is None:
+        if (ints < 0).any():
+            return (
+                f"case {case_id}: {file_name} holds negative label values "
+                f"{ints[ints < 0].tolist()}; class indices start at 0"
+            )
+        return None
+    outside = sorted(set(ints.tolist()) - set(allowed))
+    if outside:
+        hint = " (a 0/255 mask? store class indices 0..K-1)" if outside == [255] else ""
+        return (
+            f"case {case_id}: {file_name} holds label value(s) {outside} outside "
+            f"the declared classes {sorted(allowed)} ({source}); fix the label map or declare "
+            f"the class{hint}"
+        )
+    return None
+
+
+def read_array(path: Path) -> np.ndarray:
+    """The voxels of a NIfTI file (after its scaling) or the pixels of a PNG / JPEG file."""
+    from dpkfc_med.data.images2d import IMAGE_SUFFIXES, read_image_array
+
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        return read_image_array(path)
+    import nibabel as nib
+
+    img: Any = nib.load(str(path))  # typed as the generic FileBasedImage by nibabel
+    return np.asanyarray(img.dataobj)
+
+
+def header_facts(path: Path) -> tuple[tuple[int, ...], tuple[float, ...], str]:
+    """``(shape, zooms, on-disk dtype)`` of a NIfTI file, read from its header only."""
+    import nibabel as nib
+
+    img: Any = nib.load(str(path))
+    zooms = tuple(float(z) for z in img.header.get_zooms())
+    return tuple(int(s) for s in img.shape), zooms, str(img.header.get_data_dtype())
+
+
+@dataclass
+class SegmentationCases:
+    """An index of image/label pairs read from headers (voxels are read on demand).
+
+    Attributes:
+        root: The dataset folder.
+        cases: Cases sorted by ``case_id``.
+        label_names: Class index -> name from ``dataset.json`` (``None`` if undeclared).
+        num_classes: Declared number of classes, background included (``None`` if undeclared;
+            then label maps are only checked to hold non-negative integers).
+        source: ``"dataset.json"``, ``"imagesTr/labelsTr"`` or ``"images/masks"``.
+        dropped: Messages for unpaired files that were skipped with ``on_unpaired="warn"``.
+        reader: The MONAI image reader of the files (``"NibabelReader"``, ``"PILReader"``).
+    """
+
+    root: Path
+    cases: list[SegmentationCase]
+    label_names: dict[int, str] | None = None
+    num_classes: int | None = None
+    source: str = "imagesTr/labelsTr"
+    dropped: list[str] = field(default_factory=list)
+    reader: str = "NibabelReader"
+
+    def __post_init__(self) -> None:
+        self._by_id = {c.case_id: c for c in self.cases}
+
+    def __len__(self) -> int:
+        return len(self.cases)
+
+    def __iter__(self) -> Iterator[SegmentationCase]:
+        return iter(self.cases)
+
+    def __getitem__(self, key: int | str) -> SegmentationCase:
+        """A case by position or by ``case_id``."""
+        if isinstance(key, str):
+            if key not in self._by_id:
+                raise KeyError(f"{self.root}: no case {key!r} ({len(self)} cases)")
+            return self._by_id[key]
+        return self.cases[key]
+
+    def __repr__(self) -> str:
+        return (
+            f"SegmentationCases({self.root}, {len(self)} cases, num_classes={self.num_classes}, "
+            f"source={self.source!r})"
+        )
+
+    @property
+    def case_ids(self) -> list[str]:
+        """Sorted case IDs."""
+        return [c.case_id for c in self.cases]
+
+    @property
+    def label_values(self) -> tuple[int, ...] | None:
+        """Allowed label values ``(0, ..., num_classes - 1)``, or ``None`` if undeclared."""
+        return None if self.num_classes is None else tuple(range(self.num_classes))
+
+    def _label_source(self) -> str:
+        return "dataset.json 'labels'" if self.label_names else "num_classes"
+
+    def select(self, case_ids: Sequence[str]) -> SegmentationCases:
+        """The cases named in ``case_ids`` (e.g. one split), keeping everything else.
+
+        Raises:
+            KeyError: An ID is not in this index (all unknown IDs are listed).
+        """
+        unknown = [c for c in case_ids if c not in self._by_id]
+        if unknown:
+            raise KeyError(f"{self.root}: unknown case IDs {unknown}")
+        chosen = sorted(set(case_ids))
+        return replace(self, cases=[self._by_id[c] for c in chosen], dropped=list(self.dropped))
+
+    def data_dicts(self, case_ids: Sequence[str] | None = None) -> list[dict[str, str]]:
+        """MONAI-style records ``{"image": path, "label": path, "case_id": id}``."""
+        chosen = self.cases if case_ids is None else [self[c] for c in case_ids]
+        return [
+            {"image": str(c.image_path), "label": str(c.label_path), "case_id": c.case_id}
+            for c in chosen
+        ]
+
+    def load_case(self, case_id: str) -> tuple[np.ndarray, np.ndarray]:
+        """Read one case's voxels and check its label values.
+
+        Args:
+            case_id: The case to read.
+
+        Returns:
+            ``(image, label)``: image ``[X, Y, Z]`` (or ``[X, Y, Z, C]``) in the on-disk dtype
+            after NIfTI scaling, label ``[X, Y, Z]`` as int64.
+
+        Raises:
+            DataValidationError: The files cannot be read or the label holds undeclared values.
+        """
+        case = self[case_id]
+        try:
+            image = read_array(case.image_path)
+            label = read_array(case.label_path)
+        except Exception as err:
+            raise DataValidationError(
+                self.root,
+                [
+                    f"case {case_id}: voxel data unreadable ({type(err).__name__}: {err}); "
+                    "re-export or remove the case"
+                ],
+            ) from err
+        problem = label_value_problem(
+            np.unique(label),
+            self.label_values,
+            case_id,
+            case.label_path.name,
+            self._label_source(),
+        )
+        if problem:
+            raise DataValidationError(self.root, [problem])
+        return image, label.astype(np.int64)
+
+    def validate_all(self) -> None:
+        """Read every label map (and image) and raise once if any case is bad.
+
+        Header checks already ran at load; this reads voxel data, so it finds truncated files
+        and undeclared label values. The hippocampus set (220 cases) takes about a second.
+
+        Raises:
+            DataValidationError: Listing every bad case.
+        """
+        problems: list[str] = []
+        for case in self.cases:
+            try:
+                label = read_array(case.label_path)
+                read_array(case.image_path)
+            except Exception as err:
+                problems.append(
+                    f"case {case.case_id}: voxel data unreadable ({type(err).__name__}: {err}); "
+                    "re-export or remove the case"
+                )
+                continue
+            problem = label_value_problem(
+                np.unique(label),
+                self.label_values,
+                case.case_id,
+                case.label_path.name,
+                self._label_source(),
+            )
+            if problem:
+                problems.append(problem)
+        if problems:
+            raise DataValidationError(self.root, problems)
