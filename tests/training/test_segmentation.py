@@ -41,6 +41,10 @@ TINY = [
     "probes.num_probes=4",
     "preconditioner.chunk_size=4",
     "preconditioner.calibration_samples=2",
+    # the shipped config's data-free pretraining, a few steps (tests/training/test_pretrain.py
+    # checks pretraining itself)
+    "pretrain.steps=4",
+    "pretrain.batch_size=2",
 ]
 
 
