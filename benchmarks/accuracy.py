@@ -53,7 +53,7 @@ from benchmarks.harness import (
 )
 from dpkfc_med.training.config import config_from_dict
 from dpkfc_med.training.run import train
-from dpkfc_med.training.tasks import build_task
+from dpkfc_med.training.task_build import build_task
 
 SUITES: dict[str, dict[str, Any]] = {
     "pneumonia_cnn": {

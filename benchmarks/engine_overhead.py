@@ -107,7 +107,7 @@ def build_case(name: str, run_dir: Path, needed: int) -> Case:
     from dpkfc_med.training.plan import plan_privacy
     from dpkfc_med.training.precision import check_precision
     from dpkfc_med.training.setup import build_run_model, make_optimizer, seed_everything
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     path, overrides = CASES[name]
     cfg = load_config(ROOT / path, [*overrides, *COMMON, f"output.dir={run_dir / name}"])

@@ -36,7 +36,7 @@ def released_model(run_dir: str | Path) -> nn.Module:
     """
     from dpkfc_med.training.config import config_from_dict
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     run = Path(run_dir)
     missing = [n for n in ("config.yaml", "model.pt") if not (run / n).is_file()]

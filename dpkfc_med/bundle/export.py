@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import yaml
 
+from dpkfc_med.bundle.errors import BundleExportError
 from dpkfc_med.bundle.inference import HEADER, inference_config
 from dpkfc_med.bundle.metadata import (
     NO_GUARANTEE,
@@ -54,14 +55,6 @@ __all__ = ["BundleExportError", "export_bundle"]
 # Written by the engine (training/run.py); read here, never written.
 RUN_JSON, LEDGER, MODEL, CONFIG = "run.json", "ledger.json", "model.pt", "config.yaml"
 EPS_SLACK = 1e-9  # float noise of recomputing the ledger's epsilon
-
-
-class BundleExportError(ValueError):
-    """A run directory that cannot be exported; one line per problem, each with its fix."""
-
-    def __init__(self, problems: list[str], run_dir: Path) -> None:
-        self.problems = problems
-        super().__init__(f"cannot export {run_dir} as a bundle:\n  " + "\n  ".join(problems))
 
 
 def _json(path: Path) -> Any:

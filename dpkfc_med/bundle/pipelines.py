@@ -49,7 +49,7 @@ def run_config_path(bundle: Path) -> Path:
 
 def _task_record(cfg: Any) -> dict[str, Any]:
     from dpkfc_med.training.setup import task_record
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     return task_record(build_task(cfg, public_probes=False))
 

@@ -117,7 +117,7 @@ def check_tuning(folder: str | Path) -> TunedRelease:
         BundleExportError: unfinished or empty tuning, a ``model.pt`` that is not the selected
             trial's, a trial outside the plan, or an epsilon above the target.
     """
-    from dpkfc_med.bundle.export import BundleExportError
+    from dpkfc_med.bundle.errors import BundleExportError
     from dpkfc_med.privacy.selection import TrialCount, tuning_epsilon
     from dpkfc_med.training.tune import TRIALS_DIR, TUNING_LEDGER
 

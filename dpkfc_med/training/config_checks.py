@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
@@ -22,9 +22,6 @@ from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
 from dpkfc_med.training.precision import Precision
 from dpkfc_med.utils import did_you_mean
-
-if TYPE_CHECKING:
-    from dpkfc_med.training.config import RunConfig
 
 __all__ = ["CHOICES", "POSITIVE", "flatten", "value_problems"]
 
@@ -66,7 +63,7 @@ POSITIVE = {
 }
 
 
-def _check_values(cfg: RunConfig, problems: list[str]) -> None:
+def _check_values(cfg: Any, problems: list[str]) -> None:
     flat = flatten(cfg.to_dict())
     for path, allowed in CHOICES.items():
         v = flat.get(path)
@@ -146,7 +143,7 @@ def _check_values(cfg: RunConfig, problems: list[str]) -> None:
             problems.extend(str(err).splitlines()[1:] or [str(err)])
 
 
-def _finetune_problems(cfg: RunConfig) -> list[str]:
+def _finetune_problems(cfg: Any) -> list[str]:
     """``model.pretrained*`` and ``training.finetune`` / ``lora_*`` problems."""
     problems = []
     m, t = cfg.model, cfg.training
@@ -180,8 +177,11 @@ def _finetune_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def value_problems(cfg: RunConfig) -> list[str]:
-    """Every value problem of ``cfg`` (choices, signs, cross-field rules), one line each."""
+def value_problems(cfg: Any) -> list[str]:
+    """Every value problem of a :class:`~.config.RunConfig` (choices, signs, cross-field rules).
+
+    One line each. (``cfg`` is typed ``Any``: the config module imports this one.)
+    """
     problems: list[str] = []
     _check_values(cfg, problems)
     return problems

@@ -35,7 +35,8 @@ from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
 from dpkfc_med.training.setup import build_run_model
-from dpkfc_med.training.tasks import Task, build_task
+from dpkfc_med.training.task_build import build_task
+from dpkfc_med.training.tasks import Task
 from dpkfc_med.utils import write_json
 
 __all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run"]

@@ -98,7 +98,7 @@ def _site_main(
     from dpkfc_med.training.run import train
     from dpkfc_med.training.setup import build_run_model
     from dpkfc_med.training.setup import pretrain as _pretrain
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     torch.set_num_threads(threads)
 

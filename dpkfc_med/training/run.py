@@ -78,7 +78,8 @@ from dpkfc_med.training.setup import (
     seed_everything,
     task_record,
 )
-from dpkfc_med.training.tasks import Task, build_task
+from dpkfc_med.training.task_build import build_task
+from dpkfc_med.training.tasks import Task
 from dpkfc_med.utils import write_json
 
 __all__ = ["RunInterrupted", "RunResult", "train"]

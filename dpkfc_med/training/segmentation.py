@@ -53,20 +53,18 @@ from torch import Tensor, nn
 from dpkfc_med.data import (
     save_split,
 )
-from dpkfc_med.training.config import RunConfig
 from dpkfc_med.training.segmentation_batches import CachedVolumes, VolumeCollate
 from dpkfc_med.training.segmentation_layout import (
     UNIT_VOLUME,
 )
 from dpkfc_med.training.segmentation_metrics import dice_scores, hausdorff95_scores, voxel_spacing
-from dpkfc_med.training.tasks import TASK_BUILDERS, Task
+from dpkfc_med.training.tasks import Task
 
 __all__ = [
     "hausdorff95_scores",
     "PRIVACY_UNIT",
     "SegmentationTask",
     "VolumeCollate",
-    "build_segmentation_task",
     "dice_scores",
 ]
 
@@ -378,13 +376,3 @@ class SegmentationTask(Task):
 # patient, so the preconditioner would no longer be post-processing. They come from the config
 # (or the folder's declared task description); the data only *suggests* values, printed for the
 # custodian in the error, never used silently.
-
-
-def build_segmentation_task(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
-    """Load and validate a segmentation folder into a task (:mod:`.segmentation_build`)."""
-    from dpkfc_med.training.segmentation_build import build
-
-    return build(cfg, data_path)
-
-
-TASK_BUILDERS["segmentation"] = build_segmentation_task

@@ -1,6 +1,6 @@
 """Build a segmentation task from a folder: validate every case, split, transforms, probe shape.
 
-:func:`build` is :func:`.segmentation.build_segmentation_task`, registered there.
+:func:`build` is the ``segmentation`` builder of :data:`~.task_build.TASK_BUILDERS`.
 """
 
 from __future__ import annotations

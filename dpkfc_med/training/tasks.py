@@ -17,7 +17,6 @@ Privacy unit of classification:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
 from dpkfc_med.data import MedMNISTDataset, load_medmnist, resolve_data_path, sha256_file
 from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
@@ -44,7 +43,7 @@ from dpkfc_med.training.metrics import classification_metrics
 from dpkfc_med.training.public_probes import PublicProbeSource
 from dpkfc_med.units import unit_note_for
 
-__all__ = ["ClassificationTask", "PublicProbeSource", "Task", "build_task"]
+__all__ = ["ClassificationTask", "PublicProbeSource", "Task", "classification_task"]
 
 
 @dataclass
@@ -132,8 +131,8 @@ class Task:
         """Probe source for the configured method (never private data).
 
         For ``dp-kfc-public`` the public proxy is checked against the private training split
-        (:class:`PublicProbeSource`); :func:`build_task` does this before a run starts and
-        keeps the source in ``extra["public_source"]``.
+        (:class:`PublicProbeSource`); :func:`~.task_build.build_task` does this before a run
+        starts and keeps the source in ``extra["public_source"]``.
         """
         method = cfg.method_enum
         if method is Method.DP_KFC_PUBLIC:
@@ -299,7 +298,8 @@ def _unit_ids(cfg: RunConfig, data: MedMNISTDataset) -> tuple[list[str], str, Pa
     return None
 
 
-def _classification_task(cfg: RunConfig, data_path: str | None = None) -> ClassificationTask:
+def classification_task(cfg: RunConfig, data_path: str | None = None) -> ClassificationTask:
+    """The classification task of ``cfg`` (its ``.npz``, or ``data_path``), every field checked."""
     spec = data_path or cfg.data.path
     path = resolve_data_path(spec, download=cfg.data.download)
     data = load_medmnist(path, spatial_dims=cfg.data.spatial_dims, num_classes=cfg.data.num_classes)
@@ -392,78 +392,3 @@ def _classification_task(cfg: RunConfig, data_path: str | None = None) -> Classi
         unit_note=unit_note,
         max_samples_public=units is None,
     )
-
-
-TASK_BUILDERS: dict[str, Callable[[RunConfig, str | None], Task]] = {
-    "classification": _classification_task,
-}
-
-
-def _data_field_problems(cfg: RunConfig) -> list[str]:
-    d, problems = cfg.data, []
-    if d.task != "classification":
-        # data.num_classes is shared: a segmentation folder without dataset.json labels needs it
-        if d.unit_ids is not None:
-            problems.append(
-                f"data.unit_ids: applies to classification only; a {d.task} folder has one "
-                "unit per case: drop the field"
-            )
-    elif d.slices.axis is not None:
-        problems.append(
-            "data.slices: applies to segmentation (2D training on slices of volumes); drop "
-            "it for classification"
-        )
-    if d.num_classes is not None and (isinstance(d.num_classes, bool) or d.num_classes < 2):
-        problems.append(f"data.num_classes={d.num_classes!r}: must be an integer >= 2 (or null)")
-    if d.shard is not None:
-        ok = (
-            isinstance(d.shard, list | tuple)
-            and len(d.shard) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in d.shard)
-            and 0 <= d.shard[0] < d.shard[1]
-        )
-        if not ok:
-            problems.append(
-                f"data.shard={d.shard!r}: must be [k, n] with 0 <= k < n (site k of n), or null"
-            )
-    return problems
-
-
-def build_task(
-    cfg: RunConfig, data_path: str | Path | None = None, *, public_probes: bool = True
-) -> Task:
-    """Load and validate the private data of ``cfg`` into a task.
-
-    Args:
-        cfg: The run configuration.
-        data_path: Another dataset of the same task (evaluation); default ``cfg.data.path``.
-        public_probes: For ``dp-kfc-public``, load the public proxy now and refuse one that
-            overlaps the private training data, so that the run never starts; kept in
-            ``task.extra["public_source"]``. Evaluation passes ``False``.
-
-    Raises:
-        ConfigError: A data field that does not apply, or a public proxy that overlaps.
-        DataValidationError: Bad data or unit-id mapping (every problem named).
-    """
-    if problems := _data_field_problems(cfg):
-        raise ConfigError(problems, "data")
-    if cfg.data.task == "segmentation" and "segmentation" not in TASK_BUILDERS:
-        # Imported lazily: MONAI transforms and readers are only needed for segmentation.
-        from dpkfc_med.training import segmentation  # noqa: F401  (registers the builder)
-    builder = TASK_BUILDERS.get(cfg.data.task)
-    if builder is None:
-        raise ConfigError([f"data.task={cfg.data.task!r}: no pipeline registered"])
-    task = builder(cfg, None if data_path is None else str(data_path))
-    if cfg.data.shard is not None:
-        k, n = cfg.data.shard
-        units = len(task.train_set)  # type: ignore[arg-type]
-        if n > units:
-            raise ConfigError(
-                [f"data.shard={[k, n]}: {n} shards of {units} training units leave some empty"],
-                "data",
-            )
-        task.train_set = Subset(task.train_set, list(range(k, units, n)))
-        task.data_record["shard"] = {"site": k, "sites": n, "units_of_all_sites": units}
-    if public_probes and cfg.method_enum is Method.DP_KFC_PUBLIC:
-        task.extra["public_source"] = task.probe_source(cfg)
-    return task

@@ -130,7 +130,7 @@ def released_model(cfg: RunConfig, task: Any, model_pt: Path) -> torch.nn.Module
 
 def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan, int, Any]:
     from dpkfc_med.training.plan import plan_privacy
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     task = build_task(cfg, public_probes=False)
     n_units = len(task.train_set)  # type: ignore[arg-type]
@@ -169,7 +169,7 @@ def run_tuning(
             ``resume`` without one.
     """
     from dpkfc_med.training.run import train
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     out = Path(out)
     ledger_path = out / TUNING_LEDGER

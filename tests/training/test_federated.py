@@ -20,7 +20,7 @@ import pytest
 
 from dpkfc_med.cli import main
 from dpkfc_med.privacy.accounting import PrivacyLedger, epsilon_for
-from dpkfc_med.training import tasks
+from dpkfc_med.training import task_build, tasks
 from dpkfc_med.training.federated import SITE_EVALUATION
 from tests.training.test_cli_classification import _config
 
@@ -54,16 +54,17 @@ RECORDER = textwrap.dedent(
         return wrapper
 
 
-    def patch(tasks):
-        tasks.TASK_BUILDERS["classification"] = recorded(
-            "task", tasks.TASK_BUILDERS["classification"]
+    def patch(task_build):
+        task_build.TASK_BUILDERS["classification"] = recorded(
+            "task", task_build.TASK_BUILDERS["classification"]
         )
+        tasks = sys.modules["dpkfc_med.training.tasks"]  # imported by task_build
         tasks.load_medmnist = recorded("load_medmnist", tasks.load_medmnist)
 
 
     class Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name != "dpkfc_med.training.tasks":
+            if name != "dpkfc_med.training.task_build":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -106,9 +107,9 @@ def federated_run(tmp_path_factory):
         spec = {"__file__": str(hooks / "sitecustomize.py")}
         exec(compile(RECORDER, spec["__file__"], "exec"), spec)  # the wrappers, here too
         mp.setitem(
-            tasks.TASK_BUILDERS,
+            task_build.TASK_BUILDERS,
             "classification",
-            spec["recorded"]("task", tasks.TASK_BUILDERS["classification"]),
+            spec["recorded"]("task", task_build.TASK_BUILDERS["classification"]),
         )
         mp.setattr(tasks, "load_medmnist", spec["recorded"]("load_medmnist", tasks.load_medmnist))
         argv = ["federated", str(cfg), "--out", str(out), "--sites", "2", "--rounds", "2"]

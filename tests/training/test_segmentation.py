@@ -227,7 +227,7 @@ def test_training_patches_of_a_patient_do_not_depend_on_other_patients_drawn():
     """The task's training set: patient A's n-th draw has the same patches whether or not
     other patients were drawn before it (a stream shared by all patients would differ)."""
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.segmentation import build_segmentation_task
+    from dpkfc_med.training.segmentation_build import build as build_segmentation_task
 
     cfg = load_config(CONFIG, TINY)
 

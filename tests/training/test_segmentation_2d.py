@@ -210,7 +210,7 @@ def test_a_patients_slices_do_not_depend_on_other_patients_drawn(tmp_path):
     """Through the task's own training set: patient A's n-th draw takes the same slices
     whether or not other patients were drawn before it."""
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.segmentation import build_segmentation_task
+    from dpkfc_med.training.segmentation_build import build as build_segmentation_task
 
     cfg = load_config(CONFIG, [*TINY, "data.slices.per_unit=3", f"output.dir={tmp_path}"])
     alone = build_segmentation_task(cfg).train_set
@@ -340,7 +340,7 @@ def test_images_with_different_channels_are_refused_naming_the_files(tmp_path, c
 def test_every_slice_makes_the_count_per_patient_a_private_fact(tmp_path):
     """per_unit: null: a volume's samples are all its slices; the bound is not published."""
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.segmentation import build_segmentation_task
+    from dpkfc_med.training.segmentation_build import build as build_segmentation_task
 
     cfg = load_config(CONFIG, [*TINY, "data.slices.per_unit=null", f"output.dir={tmp_path}"])
     task = build_segmentation_task(cfg)
@@ -355,7 +355,7 @@ def test_every_slice_makes_the_count_per_patient_a_private_fact(tmp_path):
 
 def test_slices_are_refused_for_classification():
     from dpkfc_med.training.config import ConfigError, config_from_dict
-    from dpkfc_med.training.tasks import build_task
+    from dpkfc_med.training.task_build import build_task
 
     cfg = config_from_dict({"data": {"path": "pneumoniamnist", "slices": {"axis": 2}}})
     with pytest.raises(ConfigError, match="data.slices: applies to segmentation"):
