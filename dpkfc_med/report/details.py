@@ -13,6 +13,7 @@ from typing import Any
 from dpkfc_med.report.document import (
     Banner,
     Block,
+    BulletList,
     Code,
     Heading,
     Image,
@@ -204,6 +205,18 @@ def data_section(report: Mapping[str, Any]) -> list[Block]:
             "a fingerprint would let anyone test whether a given dataset is the training set."
         ),
     ]
+    bundle = data.get("bundle")
+    if bundle:  # a MONAI bundle trained with `dpkfc-med bundle train`
+        version = f" {bundle['version']}" if bundle.get("version") else ""
+        out += [
+            Heading(3, "MONAI bundle"),
+            Paragraph(
+                f"Trained from the bundle {bundle.get('name')}{version}: its network_def, loss, "
+                "optimizer, transforms and data list. Settings of the bundle that would break the "
+                "guarantee were replaced by the private engine's equivalents:"
+            ),
+            BulletList(list(bundle.get("replaced") or ["none"])),
+        ]
     return out
 
 

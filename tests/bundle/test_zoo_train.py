@@ -74,6 +74,8 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
     for word in ("train#dataloader#shuffle", "ValidationHandler", "CheckpointSaver"):
         assert word in replaced
     assert any("StatsHandler" in item for item in p["not_covered"])
+    shown = (out / "privacy_report.md").read_text()
+    assert "### MONAI bundle" in shown and "(CheckpointSaver): replaced" in shown
     metrics = json.loads((out / "private_not_for_release" / "metrics.json").read_text())
     assert 0.0 <= metrics["val"]["val_mean_dice"] <= 1.0
     # the bundle's own CheckpointSaver (keyed on validation Dice) never ran
