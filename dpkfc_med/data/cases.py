@@ -19,6 +19,7 @@ import numpy as np
 from dpkfc_med.data.errors import DataValidationError
 
 __all__ = [
+    "IMAGE_SUFFIXES",
     "SegmentationCase",
     "SegmentationCases",
     "case_id_from_path",
@@ -26,6 +27,7 @@ __all__ = [
     "is_nifti_file",
     "label_value_problem",
     "read_array",
+    "read_image_array",
 ]
 
 _NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -102,10 +104,24 @@ def label_value_problem(
     return None
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
+"""File name endings read as 2D images (case-insensitive)."""
+
+
+def read_image_array(path: str | Path) -> np.ndarray:
+    """Pixels of a PNG / JPEG / TIFF / BMP file as ``[W, H]`` or ``[W, H, C]`` (MONAI's order).
+
+    A palette PNG gives its palette indices (the class ids of a palette mask).
+    """
+    from PIL import Image
+
+    with Image.open(path) as img:
+        array = np.asarray(img)
+    return np.swapaxes(array, 0, 1)
+
+
 def read_array(path: Path) -> np.ndarray:
     """The voxels of a NIfTI file (after its scaling) or the pixels of a PNG / JPEG file."""
-    from dpkfc_med.data.images2d import IMAGE_SUFFIXES, read_image_array
-
     if path.suffix.lower() in IMAGE_SUFFIXES:
         return read_image_array(path)
     import nibabel as nib

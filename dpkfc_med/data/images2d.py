@@ -22,8 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from dpkfc_med.data.cases import (
+    IMAGE_SUFFIXES,
+    SegmentationCase,
+    SegmentationCases,
+    read_image_array,
+)
 from dpkfc_med.data.errors import DataValidationError
 
 __all__ = [
@@ -33,9 +37,6 @@ __all__ = [
     "load_image_mask_folder",
     "read_image_array",
 ]
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
-"""File name endings read as 2D images (case-insensitive)."""
 
 _LOSSY = (".jpg", ".jpeg")
 # PIL modes: channels of an image, and the single-channel modes a label map may have.
@@ -53,18 +54,6 @@ def is_image_file(path: Path) -> bool:
 def is_image_mask_folder(root: Path) -> bool:
     """Whether ``root`` has the ``images/`` + ``masks/`` layout of this module."""
     return (root / "images").is_dir() and (root / "masks").is_dir()
-
-
-def read_image_array(path: str | Path) -> np.ndarray:
-    """Pixels of a PNG / JPEG / TIFF / BMP file as ``[W, H]`` or ``[W, H, C]`` (MONAI's order).
-
-    A palette PNG gives its palette indices (the class ids of a palette mask).
-    """
-    from PIL import Image
-
-    with Image.open(path) as img:
-        array = np.asarray(img)
-    return np.swapaxes(array, 0, 1)
 
 
 def _facts(path: Path) -> tuple[tuple[int, int], str]:
@@ -93,8 +82,6 @@ def _by_stem(folder: Path, kind: str, problems: list[tuple[str | None, str]]) ->
 
 def _check_pair(cid: str, image: Path, mask: Path) -> Any:
     """The :class:`~dpkfc_med.data.cases.SegmentationCase` of a pair, or its problems."""
-    from dpkfc_med.data.cases import SegmentationCase
-
     facts, problems = {}, []
     for kind, p in (("image", image), ("mask", mask)):
         try:
@@ -169,8 +156,6 @@ def load_image_mask_folder(
     Raises:
         DataValidationError: Every problem, each naming the case and the file.
     """
-    from dpkfc_med.data.cases import SegmentationCases
-
     root = Path(path).expanduser()
     notes: list[tuple[str | None, str]] = []
     images = _by_stem(root / "images", "image", notes)
