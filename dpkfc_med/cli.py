@@ -20,6 +20,7 @@ from typing import Any
 
 from dpkfc_med import __version__
 from dpkfc_med.methods import method_help
+from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = ["main"]
@@ -305,7 +306,6 @@ def _train(args: argparse.Namespace) -> int:
         print("privacy: none (non-private training)")
     else:
         delta = result.report["privacy"]["delta"]
-        from dpkfc_med.report.numbers import format_epsilon
 
         print(f"privacy: epsilon = {format_epsilon(eps)} at delta = {delta:g} (PRV)")
     for key in ("accuracy", "balanced_accuracy", "auroc", "mean_dice"):
@@ -352,7 +352,6 @@ def _tune(args: argparse.Namespace) -> int:
     record = run_tuning(
         cfg, target_epsilon=args.epsilon, grid=grid, trials=count, out=out, resume=args.resume
     )
-    from dpkfc_med.report.numbers import format_epsilon
 
     p = record["plan"]
     print(
@@ -404,7 +403,9 @@ def _federated(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     for m in rec["history"][-1]["sites"]:
-        print(f"site {m['site']}: epsilon = {m['epsilon']:.3f} ({m['steps']} noisy steps)")
+        print(
+            f"site {m['site']}: epsilon = {format_epsilon(m['epsilon'])} ({m['steps']} noisy steps)"
+        )
     print(f"federated model: {cfg.run_dir() / 'server' / 'model.pt'}")
     return 0
 
@@ -426,7 +427,9 @@ def _bundle(args: argparse.Namespace) -> int:
             settings=args.settings,
             resume=args.resume,
         )
-        eps = "no privacy" if result.epsilon is None else f"epsilon {result.epsilon:.3f}"
+        eps = (
+            "no privacy" if result.epsilon is None else f"epsilon {format_epsilon(result.epsilon)}"
+        )
         print(f"run {result.status}: {eps}; report: {result.run_dir / 'privacy_report.md'}")
         return 0
     out = export_bundle(args.run_dir, args.out_dir)

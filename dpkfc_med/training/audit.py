@@ -38,6 +38,7 @@ from dpkfc_med.privacy.audit import (
     Verdict,
     default_canaries,
 )
+from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.opening import RUN_JSON
 from dpkfc_med.training.run import RunResult, train
@@ -297,7 +298,7 @@ def _verdict(code: str, lower: float, ceiling: float, accounted: float, confiden
     if code == Verdict.REFUTED:
         return (
             f"REFUTED: the guesses refute the accounted mechanism (lower bound {lower:.3f}, "
-            f"accounted epsilon {accounted:.3f}); at confidence {confidence:g} the "
+            f"accounted epsilon {format_epsilon(accounted)}); at confidence {confidence:g} the "
             "implementation does not give the stated guarantee"
         )
     if code == Verdict.CANNOT_REFUTE:
@@ -343,7 +344,7 @@ def _add_to_report(run_dir: Path, record: dict[str, Any]) -> None:
 
 def format_audit(record: dict[str, Any]) -> str:
     """Two console lines: the lower bound (rounded down) next to the accounted epsilon (up)."""
-    from dpkfc_med.report import format_delta, format_epsilon
+    from dpkfc_med.report import format_delta
 
     low = Decimal(repr(float(record["epsilon_lower_bound"])))
     low_text = f"{low.quantize(Decimal('0.001'), rounding=ROUND_FLOOR):f}"

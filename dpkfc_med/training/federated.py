@@ -48,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.training.distributed import free_port
 from dpkfc_med.utils import write_json
@@ -392,7 +393,8 @@ def _markdown(record: dict[str, Any]) -> str:
     ]
     for m in last:
         lines.append(
-            f"| {m['site']} | {m['epsilon']:.3f} | {record['target_epsilon_per_site']:g} | "
+            f"| {m['site']} | {format_epsilon(m['epsilon'])} | "
+            f"{record['target_epsilon_per_site']:g} | "
             f"{m['steps']} | {m['status']} |"
         )
     lines += ["", record["note"] + "."]

@@ -23,6 +23,7 @@ from dpkfc_med.privacy.accounting import (
     calibrate_remaining,
     epsilon_for,
 )
+from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.training.config_checks import flatten
 
@@ -103,7 +104,8 @@ def plan_privacy(
         if eps > p.target_epsilon:
             raise PlanError(
                 f"the plan ({already}{todo} steps at sample rate {q:.4g}, noise_multiplier "
-                f"{p.noise_multiplier}) spends epsilon {eps:.3f} > privacy.target_epsilon="
+                f"{p.noise_multiplier}) spends epsilon {format_epsilon(eps)} > "
+                "privacy.target_epsilon="
                 f"{p.target_epsilon}; raise the noise multiplier, train fewer epochs, or set "
                 "privacy.noise_multiplier: null to calibrate it"
             )
