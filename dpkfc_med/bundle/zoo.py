@@ -227,8 +227,8 @@ class _UnitCollate:
         }
 
 
-def _network_format(parser: Any, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Probe shape, channels and classes: metadata ``network_data_format`` or overrides."""
+def _network_format(parser: Any) -> dict[str, Any]:
+    """Probe shape, channels and classes from the metadata's ``network_data_format``."""
     fmt: dict[str, Any] = {}
     try:
         fmt = parser.get("_meta_#network_data_format") or {}
@@ -236,11 +236,11 @@ def _network_format(parser: Any, overrides: dict[str, Any]) -> dict[str, Any]:
         fmt = {}
     image = (fmt.get("inputs") or {}).get("image") or {}
     pred = (fmt.get("outputs") or {}).get("pred") or {}
-    shape = overrides.get("spatial_shape") or image.get("spatial_shape")
+    shape = image.get("spatial_shape")
     out = {
         "spatial_shape": [int(s) for s in shape] if shape else None,
-        "in_channels": overrides.get("in_channels") or image.get("num_channels"),
-        "num_classes": overrides.get("num_classes") or pred.get("num_channels"),
+        "in_channels": image.get("num_channels"),
+        "num_classes": pred.get("num_channels"),
     }
     missing = [k for k, v in out.items() if not v]
     if missing:
@@ -279,6 +279,12 @@ def _bundle_task(
         )  # fmt: skip
     units: dict[str, list[Any]] = {}
     for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise BundleConfigError(
+                [f"train#dataset#data: item {i} is a {type(item).__name__}, not a dictionary "
+                 "such as {'image': ..., 'label': ...}; the private engine reads the image and "
+                 "label keys of each item"]
+            )  # fmt: skip
         if unit_key is not None:
             if not isinstance(item, dict) or unit_key not in item:
                 raise BundleConfigError(
@@ -422,7 +428,7 @@ def prepare_bundle(
     bundle = Path(bundle_dir)
     parser = load_bundle(bundle, overrides)
     replaced = guarantee_problems(parser)
-    fmt = _network_format(parser, {})
+    fmt = _network_format(parser)
     network_def = parser.get_parsed_content("network_def", instantiate=False).get_config()
     epochs = int(_get(parser, "train#trainer#max_epochs", 1) or 1)
     batch = int(_get(parser, "train#dataloader#batch_size", 2) or 2)

@@ -161,7 +161,7 @@ def test_guarantee_breaking_settings_are_replaced_and_named_by_id(data_dir):
 
 def test_items_sharing_the_unit_key_form_one_unit(data_dir):
     """--unit-key: every item of one patient id is one unit (its crops summed before clipping)."""
-    from dpkfc_med.bundle.zoo import prepare_bundle
+    from dpkfc_med.bundle.zoo import BundleConfigError, prepare_bundle
 
     data = (
         "$[{'image': i, 'label': l, 'patient': n // 2}"
@@ -174,7 +174,9 @@ def test_items_sharing_the_unit_key_form_one_unit(data_dir):
     assert len(b.task.train_set) == 3
     batch = b.task.extra["collate"]([b.task.train_set[0]])
     assert batch["unit"].tolist() == [0, 0, 0, 0]  # 2 items x 2 crops
-    with pytest.raises(Exception, match="--unit-key 'visit'"):
+    with pytest.raises(BundleConfigError, match="item 0 is a str, not a dictionary"):
+        prepare_bundle(BUNDLE, epsilon=8, overrides=["train#dataset#data=$['a.nii.gz']"])
+    with pytest.raises(BundleConfigError, match="--unit-key 'visit'"):
         prepare_bundle(BUNDLE, epsilon=8, unit_key="visit", overrides=[f"dataset_dir={data_dir}"])
 
 
