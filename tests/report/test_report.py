@@ -1,4 +1,4 @@
-"""Privacy report: schema validation, files written, rendered statements, rounding, environment."""
+"""Privacy report: schema validation, the shareable/custodian split and the files written."""
 
 from __future__ import annotations
 
@@ -18,28 +18,20 @@ from dpkfc_med.report import (
     REPORT_SCHEMA,
     ReportSchemaError,
     check_report,
-    collect_environment,
-    format_delta,
-    format_epsilon,
     render_html,
-    render_markdown,
-    render_plots,
     rerender,
-    sha256_of_files,
     split_report,
     validate_custodian_report,
     validate_report,
     write_report,
 )
-from dpkfc_med.report import environment as env_module
 from dpkfc_med.report.custodian import CUSTODIAN_FILES, CUSTODIAN_ONLY
-from dpkfc_med.report.render import render_custodian_markdown
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DELETE = object()
 
 
-def _sha(text: str) -> str:
+def sha_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -67,7 +59,7 @@ def example_full(**overrides):
         "run": {
             "name": "breastmnist-dpkfc",
             "run_dir": "runs/breastmnist-dpkfc",
-            "config_sha256": _sha("config"),
+            "config_sha256": sha_hex("config"),
             "config": {
                 "method": "dp-kfc",
                 "privacy": {"target_epsilon": 2.0},
@@ -87,7 +79,7 @@ def example_full(**overrides):
         },
         "data": {
             "path": "medmnist/breastmnist.npz",
-            "sha256": {"breastmnist.npz": _sha("data")},
+            "sha256": {"breastmnist.npz": sha_hex("data")},
             "splits": {"train": 546, "val": 78, "test": 156},
             "class_counts": {"train": [147, 399]},
             "split": {"train": ["case_001"], "val": ["case_002"], "test": ["case_003"]},
@@ -298,11 +290,11 @@ def test_invalid_custodian_fields_are_named(overrides, message, tmp_path):
 def test_shareable_report_refuses_every_unnoised_private_statistic(dotted):
     full, report = example_full(), example_report()
     if dotted.startswith("preconditioner.external_data"):  # a public-proxy run has one
-        ext = {"path": "/data/public/proxy.npz", "sha256": _sha("pub"), "note": "public"}
+        ext = {"path": "/data/public/proxy.npz", "sha256": sha_hex("pub"), "note": "public"}
         kw = {"privacy__method": "dp-kfc-public", "preconditioner__external_data": ext}
         full, report = example_full(**kw), split_report(example_full(**kw))[0]
     if dotted in ("model.pretrained.path", "run.config.model.pretrained"):  # pretrained weights
-        weights = {"path": "/data/ward7/w.pt", "sha256": _sha("w"), "source": "public"}
+        weights = {"path": "/data/ward7/w.pt", "sha256": sha_hex("w"), "source": "public"}
         kw = {"run__config__model": {"pretrained": weights["path"]}, "model__pretrained": weights}
         full, report = example_full(**kw), split_report(example_full(**kw))[0]
     node, back = full, report
@@ -321,7 +313,13 @@ def test_split_report_moves_private_statistics_to_the_custodian():
     report, custodian = split_report(example_full())
     assert validate_report(report) == [] and validate_custodian_report(custodian) == []
     text = json.dumps(report)
-    for needle in ('"loss"', '"confusion_matrix"', '"class_counts"', _sha("data"), '"val_metric"'):
+    for needle in (
+        '"loss"',
+        '"confusion_matrix"',
+        '"class_counts"',
+        sha_hex("data"),
+        '"val_metric"',
+    ):
         assert needle not in text, needle
     assert custodian["history"]["loss"] == example_full()["history"]["loss"]
     assert custodian["metrics"] == example_full()["metrics"]
@@ -354,7 +352,7 @@ def test_method_consistency_rules():
     public = _with(example_report(), ("privacy", "method"), "dp-kfc-public")
     assert any("external_data: must name" in p for p in validate_report(public))
     public["preconditioner"]["external_data"] = {
-        "sha256": {"a.png": _sha("a")},
+        "sha256": {"a.png": sha_hex("a")},
         "note": "public mammograms, CC-BY",
     }
     assert validate_report(public) == []  # its path is in the custodian report
@@ -444,11 +442,11 @@ def test_markdown_states_the_guarantee(written):
     assert "| features.conv0 | Conv2d | conv |" in md
     assert "| **malignant** | 21 | 21 |" not in md  # the confusion matrix stays private
     assert "GroupNorm(32, 64)" in md
-    assert _sha("data") not in md and "a" * 40 in md
+    assert sha_hex("data") not in md and "a" * 40 in md
     assert "INCOMPLETE" not in md and "NO PRIVACY GUARANTEE" not in md
     private = written[1]["custodian_markdown"].read_text()
     assert private.startswith("# Custodian report (private, not for release)")
-    assert "| **malignant** | 21 | 21 |" in private and _sha("data") in private
+    assert "| **malignant** | 21 | 21 |" in private and sha_hex("data") in private
     assert "![Training loss against step and validation metric against epoch]" in private
     assert "(plots/training.png)" in private
 
@@ -484,252 +482,3 @@ def test_rerender_errors_name_the_problem(tmp_path):
     (tmp_path / REPORT_FILES["json"]).write_text(json.dumps(bad))
     with pytest.raises(ReportSchemaError, match=r"privacy\.epsilon\.pld: missing"):
         rerender(tmp_path)
-
-
-# --------------------------------------------------------------------------- banners
-def test_incomplete_run_banner_comes_first():
-    report = example_report(status="incomplete", privacy__steps=40, privacy__planned_steps=100)
-    md = render_markdown(report)
-    first_block = md.split("\n\n")[1]
-    assert first_block == (
-        "> **INCOMPLETE RUN:** the figures below cover the steps taken before the "
-        "interruption; the privacy spent is as stated"
-    )
-    assert "| Steps | 40 of 100 planned" in md
-    assert render_plots(report)["epsilon"].startswith(PNG_MAGIC)
-
-
-def test_nonprivate_banner_and_no_epsilon():
-    report = example_nonprivate()
-    md = render_markdown(report)
-    assert md.split("\n\n")[1].startswith("> **NO PRIVACY GUARANTEE:**")
-    assert "| Privacy guarantee | **NO PRIVACY GUARANTEE**:" in md
-    assert "(epsilon, delta)" not in md
-    assert "Not applicable: no preconditioner" in md
-    page = render_html(report, render_plots(report))
-    assert 'class="banner banner-danger"><strong>NO PRIVACY GUARANTEE:' in page
-
-
-def test_public_data_statement():
-    report = example_report(privacy__method="dp-kfc-public")
-    report["preconditioner"]["external_data"] = {
-        "sha256": _sha("public"),
-        "note": "public mammography set",
-    }
-    md = render_markdown(report)  # the shareable report names the proxy by its digest
-    assert f"No private data; external public data (SHA-256 {_sha('public')[:12]})" in md
-    assert f"`{_sha('public')}`" in md
-    report["preconditioner"]["external_data"]["path"] = "public/cbis-ddsm.npz"
-    md = render_markdown(report)  # the full (custodian-side) record names it by its path
-    assert "No private data; external public data public/cbis-ddsm.npz" in md
-
-
-# --------------------------------------------------------------------------- rounding
-@pytest.mark.parametrize(
-    ("value", "text"),
-    [
-        (1.23401, "1.235"),
-        (0.99912, "1.000"),
-        (1.234, "1.234"),  # exact decimals stay as they are
-        (2.0, "2.000"),
-        (0.0, "0.000"),
-        (0.0000001, "0.001"),
-        (12.3456, "12.346"),
-        (None, "n/a"),
-        (math.inf, "inf"),
-    ],
-)
-def test_epsilon_is_rounded_up(value, text):
-    assert format_epsilon(value) == text
-
-
-def test_epsilon_never_printed_below_its_value():
-    rng = np.random.default_rng(0)
-    for value in rng.uniform(0, 20, 2000):
-        assert float(format_epsilon(float(value))) >= value
-
-
-@pytest.mark.parametrize(
-    ("value", "text"),
-    [(1e-5, "1e-5"), (1 / 546, "0.00184"), (1 / 5460, "1.84e-4"), (2.8571428e-6, "2.86e-6")],
-)
-def test_delta_is_rounded_up(value, text):
-    assert format_delta(value) == text
-    assert float(text) >= value
-
-
-# --------------------------------------------------------------------------- environment
-def test_collect_environment_has_versions(monkeypatch, tmp_path):
-    calls = []
-
-    def fake_git(repo_dir, *args):
-        calls.append(args)
-        return {"rev-parse": "c0ffee" * 6 + "abcd\n", "status": " M file.py\n"}[args[0]]
-
-    monkeypatch.setattr(env_module, "_run_git", fake_git)
-    (tmp_path / ".git").mkdir()
-    env = collect_environment(tmp_path)
-    for name in ("torch", "opacus", "monai", "numpy", "dpkfc_med", "nibabel", "medmnist"):
-        assert name in env["packages"]
-    assert env["packages"]["torch"] and env["packages"]["numpy"] == np.__version__
-    assert env["git"] == {"commit": "c0ffee" * 6 + "abcd", "dirty": True}
-    assert env["machine"]["cpu_count"] >= 1 and env["machine"]["torch_threads"] >= 1
-    assert env["python"].count(".") == 2
-    report = example_report(environment=env)
-    assert validate_report(report) == []
-
-
-def test_collect_environment_outside_a_checkout(monkeypatch, tmp_path):
-    def no_git(*args):
-        raise AssertionError("git must not run outside a checkout")
-
-    monkeypatch.setattr(env_module, "_run_git", no_git)
-    assert collect_environment(tmp_path)["git"] is None
-
-
-def test_collect_environment_git_failure(monkeypatch, tmp_path):
-    monkeypatch.setattr(env_module, "_run_git", lambda *args: None)
-    (tmp_path / ".git").mkdir()
-    assert collect_environment(tmp_path)["git"] is None
-
-
-def test_sha256_of_files(tmp_path):
-    (tmp_path / "a.txt").write_bytes(b"abc")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.txt").write_bytes(b"")
-    digests = sha256_of_files(tmp_path)
-    assert digests == {
-        str(tmp_path / "a.txt"): hashlib.sha256(b"abc").hexdigest(),
-        str(tmp_path / "sub" / "b.txt"): hashlib.sha256(b"").hexdigest(),
-    }
-    assert sha256_of_files([tmp_path / "a.txt"]) == {
-        str(tmp_path / "a.txt"): hashlib.sha256(b"abc").hexdigest()
-    }
-    with pytest.raises(FileNotFoundError, match="missing.npz: no such file"):
-        sha256_of_files(tmp_path / "missing.npz")
-
-
-# --------------------------------------------------------------------------- layouts
-def test_long_tables_are_shortened_and_nested_metrics_tabulated():
-    report = example_report()
-    report["preconditioner"]["refreshes"] = [
-        {"step": 10 * i, "probe_seed": i, "seconds": 0.1, "scale": 1.0} for i in range(30)
-    ]
-    md = render_markdown(report)
-    assert "*... 10 more rows in the JSON report*" in md
-    assert "| 290 | 29 | 0.1 | 1 |" in md and "| 150 | 15 |" not in md
-    assert "seeds 0-29" in md
-    assert "| class | sensitivity | specificity | support |" not in md  # custodian only
-    assert "| class | sensitivity | specificity | support |" in render_custodian_markdown(
-        example_custodian()
-    )
-
-
-def test_segmentation_report_with_undefined_values(tmp_path):
-    kw = {
-        "task__kind": "segmentation",
-        "task__spatial_dims": 3,
-        "task__label_names": ["background", "tumour"],
-        "data__privacy_unit": "patient/volume",
-        "data__max_samples_per_unit": 4,
-        "metrics__test": {"mean_dice": 0.7, "dice": [0.9, float("nan")]},
-    }
-    report, custodian = example_report(**kw), example_custodian(**kw)
-    custodian["history"]["loss"][3] = float("inf")  # a diverged step
-    assert validate_report(report) == []
-    md = render_markdown(report)
-    assert "for the add/remove-one-patient/volume relation" in md
-    assert "at most 4 samples per unit" in md
-    assert "| tumour | nan |" in render_custodian_markdown(custodian)
-    paths = write_report(report, tmp_path, custodian=custodian)
-    stored = json.loads(paths["custodian_json"].read_text())
-    assert stored["history"]["loss"][3] is None and stored["metrics"]["test"]["dice"][1] is None
-    assert "| tumour | n/a |" in paths["custodian_markdown"].read_text()
-
-
-def test_auto_refresh_schedule_is_stated_with_its_estimate():
-    report = example_report()
-    assert "refresh_every: auto" not in render_markdown(report)  # a fixed period says nothing
-    report["preconditioner"]["refresh_plan"] = {
-        "rule": "auto",
-        "refresh_every": 50,
-        "estimated_share": 0.031,
-        "budget": 0.05,
-    }
-    assert validate_report(report) == []
-    md = render_markdown(report)
-    assert "then every 50 steps (refresh_every: auto; refreshes estimated at 3.1 %" in md
-    assert "budget 5 %" in md
-
-
-def test_headline_banners_audit_unit_note_and_eig_fallbacks_are_rendered():
-    report = example_report()
-    report["privacy"]["headline_warnings"] = [
-        "NOT A VALID DP RELEASE: seeded noise.",
-        "PRECONDITIONER USES PRIVATE DATA: the public proxy shares images.",
-    ]
-    report["audit"] = {
-        "epsilon_lower_bound": 0.41234,
-        "epsilon_accounted": 1.23401,
-        "delta": 1e-5,
-        "canaries": 1000,
-        "confidence": 0.95,
-        "correct_guesses": 57,
-    }
-    report["data"]["unit_note"] = {"statement": "Up to 2 images per patient: (2.47, 3.4e-5)."}
-    report["preconditioner"]["eig_fallbacks"] = [
-        {"refresh_step": 0, "layer": "features.conv0", "factor": "A", "used": "float64"}
-    ]
-    assert validate_report(report) == []
-    md = render_markdown(report)
-    blocks = md.split("\n\n")
-    assert blocks[1] == "> **NOT A VALID DP RELEASE:** NOT A VALID DP RELEASE: seeded noise."
-    assert blocks[2].startswith("> **PRECONDITIONER USES PRIVATE DATA:** PRECONDITIONER")
-    # the cross-check accountants are information on a neutral line, never a banner
-    assert "Other accountants, for reference" in md and "disagree" not in md
-    assert (
-        "| Empirical privacy audit | empirical lower bound 0.413 against the accounted 1.235 "
-        "(one-run canary audit, 1000 canaries, confidence 0.95) |"
-    ) in md
-    assert "## Empirical privacy audit" in md and "| Correct guesses | 57 |" in md
-    assert "| Patients with several images | Up to 2 images per patient" in md
-    assert "| 0 | features.conv0 | A | float64 |" in md
-    bad = copy.deepcopy(report)
-    del bad["audit"]["canaries"]
-    assert "audit.canaries: missing" in validate_report(bad)
-
-
-def test_unit_plurals_and_epoch_counts_read_as_english():
-    from dpkfc_med.report.statements import plural, steps_text
-
-    assert plural("image") == "images"
-    assert plural("patient/volume") == "patients/volumes"
-    assert plural("patient (data.unit_ids)") == "patients (data.unit_ids)"
-    assert steps_text({"steps": 3, "planned_steps": 3, "epochs": 1.0}) == "3 of 3 planned (1 epoch)"
-    assert steps_text({"steps": 6, "planned_steps": None, "epochs": 2.0}) == "6 (2 epochs)"
-
-
-def test_coverage_shares_are_stated_under_the_covered_layers():
-    from dpkfc_med.curvature.preconditioner import coverage_shares
-
-    report = example_report()
-    rows = report["preconditioner"]["coverage"]
-    report["preconditioner"]["coverage_shares"] = coverage_shares(rows)
-    assert validate_report(report) == []
-    md = render_markdown(report)
-    total = sum(r["params"] for r in rows)
-    assert f"Of {total:,} trainable parameters, " in md
-    assert "% the fallback rule." in md.split("### Covered layers")[1]
-
-
-def test_a_renderer_that_fails_leaves_no_half_written_report(tmp_path, monkeypatch):
-    """No privacy_report.json without its Markdown and HTML (a crash mid-way wrote the JSON)."""
-    import dpkfc_med.report.writer as writer
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("renderer bug")
-
-    monkeypatch.setattr(writer, "render_html", broken)
-    with pytest.raises(RuntimeError, match="renderer bug"):
-        write_report(example_report(), tmp_path, custodian=example_custodian())
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
