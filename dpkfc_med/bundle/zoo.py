@@ -419,7 +419,18 @@ def prepare_bundle(
     overrides: Sequence[str] = (),
     settings: Sequence[str] = (),
 ) -> PreparedBundle:
-    """Read, check and translate a bundle (see :func:`train_bundle` for the arguments)."""
+    """Read, check and translate a bundle for the private engine.
+
+    Args:
+        bundle_dir: A bundle in the Model Zoo layout.
+        epsilon: Target epsilon of the whole run.
+        delta: Target delta (default: the project's rule from the number of units).
+        method: ``dp-kfc``, ``dp-sgd`` or ``nonprivate``.
+        unit_key: Data-list key whose items form one unit (a patient id); default one item.
+        out: The run directory (default ``runs/<bundle name>``).
+        overrides: ``ID=VALUE`` settings of the bundle config (MONAI ids, ``#`` separated).
+        settings: ``--set``-style settings of the private run (``privacy.max_grad_norm=0.5``).
+    """
     from monai.bundle import ConfigParser
 
     from dpkfc_med.models import make_private_compatible, validate_private_compatible
@@ -517,43 +528,17 @@ def _user_handlers(parser: Any, run_dir: Path) -> tuple[list[Any], list[str]]:
     return handlers, names
 
 
-def train_bundle(
-    bundle_dir: str | Path,
-    *,
-    epsilon: float,
-    delta: float | None = None,
-    method: str = "dp-kfc",
-    unit_key: str | None = None,
-    out: str | Path | None = None,
-    overrides: Sequence[str] = (),
-    settings: Sequence[str] = (),
-    resume: bool = False,
-) -> Any:
-    """Train the bundle in ``bundle_dir`` privately to ``epsilon``; returns the run result.
+def train_bundle(bundle_dir: str | Path, *, resume: bool = False, **options: Any) -> Any:
+    """Train the bundle in ``bundle_dir`` privately; returns the run result.
 
     Args:
         bundle_dir: A bundle in the Model Zoo layout.
-        epsilon: Target epsilon of the whole run.
-        delta: Target delta (default: the project's rule from the number of units).
-        method: ``dp-kfc``, ``dp-sgd`` or ``nonprivate``.
-        unit_key: Data-list key whose items form one unit (a patient id); default one item.
-        out: The run directory (default ``runs/<bundle name>``).
-        overrides: ``ID=VALUE`` settings of the bundle config (MONAI ids, ``#`` separated).
-        settings: ``--set``-style settings of the private run (``privacy.max_grad_norm=0.5``).
         resume: Continue the run in ``out`` within its budget.
+        **options: ``epsilon`` (required) and the other arguments of :func:`prepare_bundle`.
     """
     from dpkfc_med.training.run import train
 
-    b = prepare_bundle(
-        bundle_dir,
-        epsilon=epsilon,
-        delta=delta,
-        method=method,
-        unit_key=unit_key,
-        out=out,
-        overrides=overrides,
-        settings=settings,
-    )
+    b = prepare_bundle(bundle_dir, **options)
     return train(
         b.cfg,
         resume=resume,

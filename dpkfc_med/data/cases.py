@@ -9,7 +9,7 @@ on demand (:meth:`SegmentationCases.load_case`) or all at once to check every la
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,8 @@ __all__ = [
     "SegmentationCase",
     "SegmentationCases",
     "case_id_from_path",
+    "collect_cases",
+    "read_headers",
     "header_facts",
     "is_nifti_file",
     "label_value_problem",
@@ -285,3 +287,68 @@ class SegmentationCases:
                 problems.append(problem)
         if problems:
             raise DataValidationError(self.root, problems)
+
+
+def collect_cases(
+    root: Path,
+    checked: Iterable[SegmentationCase | list[str]],
+    problems: list[str],
+    *,
+    empty: str,
+    **fields: Any,
+) -> SegmentationCases:
+    """The cases of a folder from each case's check: the case, or its problems.
+
+    Every problem (``problems`` found before, then each case's) is raised at once; a folder
+    without a case is refused with ``empty``.
+
+    Args:
+        root: The folder (named in the error).
+        checked: Each case's :class:`SegmentationCase` or its list of problems.
+        problems: Problems found before the cases were checked (pairing, unreadable files).
+        empty: The refusal of a folder with no case, with its fix.
+        **fields: The other :class:`SegmentationCases` fields (``num_classes``, ``source``...).
+
+    Raises:
+        DataValidationError: Naming every problem, or ``empty``.
+    """
+    cases: list[SegmentationCase] = []
+    problems = list(problems)
+    for case in checked:
+        if isinstance(case, list):
+            problems += case
+        else:
+            cases.append(case)
+    if problems:
+        raise DataValidationError(root, problems)
+    if not cases:
+        raise DataValidationError(root, [empty])
+    return SegmentationCases(root=root.resolve(), cases=cases, **fields)
+
+
+def read_headers(
+    cid: str,
+    files: Mapping[str, Path],
+    read: Callable[[Path], Any],
+    shown: Callable[[Path], str] = lambda p: p.name,
+) -> tuple[dict[str, Any], list[str]]:
+    """Each file's header facts by ``read``, and a problem for each file it cannot read.
+
+    Args:
+        cid: The case (named in every problem).
+        files: Kind (``image``, ``label``, ``mask``) -> file.
+        read: The header reader; any exception means a corrupt or foreign file (the readers
+            raise several types).
+        shown: How a file is named in a problem.
+    """
+    facts: dict[str, Any] = {}
+    problems: list[str] = []
+    for kind, path in files.items():
+        try:
+            facts[kind] = read(path)
+        except Exception as err:
+            problems.append(
+                f"case {cid}: {kind} {shown(path)} is unreadable or corrupt "
+                f"({type(err).__name__}: {err}); re-export or remove the case"
+            )
+    return facts, problems

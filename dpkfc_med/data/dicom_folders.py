@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dpkfc_med.data.cases import (
     SegmentationCase,
     SegmentationCases,
     case_id_from_path,
+    collect_cases,
     is_nifti_file,
 )
 from dpkfc_med.data.dicom_convert import (
@@ -241,29 +242,26 @@ def load_dicom_segmentation_folder(
         raise DataValidationError(root, problems)
 
     cache = Path(cache_dir) if cache_dir is not None else default_cache()
-    cases: list[SegmentationCase] = []
-    for cid, (uid, slices, label) in sorted(chosen.items()):
-        try:
-            checked = convert_case(root, cid, uid, slices, label, cache)
-        except OSError as err:
-            raise DataValidationError(
-                cache,
-                [
-                    f"cannot write the NIfTI conversion of the DICOM series ({err.strerror or err}"
-                    "); make the run's output folder writable or choose another --out"
-                ],
-            ) from err
-        if isinstance(checked, list):
-            problems += checked
-        else:
-            cases.append(checked)
-    if problems:
-        raise DataValidationError(root, problems)
-    if not cases:
-        raise DataValidationError(root, ["no DICOM series with a label found; check the layout"])
-    return SegmentationCases(
-        root=root.resolve(),
-        cases=cases,
+
+    def converted() -> Iterator[SegmentationCase | list[str]]:
+        for cid, (uid, slices, label) in sorted(chosen.items()):
+            try:
+                yield convert_case(root, cid, uid, slices, label, cache)
+            except OSError as err:
+                raise DataValidationError(
+                    cache,
+                    [
+                        "cannot write the NIfTI conversion of the DICOM series "
+                        f"({err.strerror or err}); make the run's output folder writable or "
+                        "choose another --out"
+                    ],
+                ) from err
+
+    return collect_cases(
+        root,
+        converted(),
+        problems,
+        empty="no DICOM series with a label found; check the layout",
         num_classes=num_classes,
         source=f"DICOM series ({layout})",
         dropped=list(unpaired) if on_unpaired == "warn" else [],

@@ -25,10 +25,10 @@ from typing import Any
 from dpkfc_med.data.cases import (
     IMAGE_SUFFIXES,
     SegmentationCase,
-    SegmentationCases,
+    collect_cases,
+    read_headers,
     read_image_array,
 )
-from dpkfc_med.data.errors import DataValidationError
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -82,15 +82,9 @@ def _by_stem(folder: Path, kind: str, problems: list[tuple[str | None, str]]) ->
 
 def _check_pair(cid: str, image: Path, mask: Path) -> Any:
     """The :class:`~dpkfc_med.data.cases.SegmentationCase` of a pair, or its problems."""
-    facts, problems = {}, []
-    for kind, p in (("image", image), ("mask", mask)):
-        try:
-            facts[kind] = _facts(p)
-        except Exception as err:  # PIL raises several types for corrupt / foreign files
-            problems.append(
-                f"case {cid}: {kind} {p.parent.name}/{p.name} is unreadable or corrupt "
-                f"({type(err).__name__}: {err}); re-export or remove the case"
-            )
+    facts, problems = read_headers(
+        cid, {"image": image, "mask": mask}, _facts, lambda p: f"{p.parent.name}/{p.name}"
+    )
     if problems:
         return problems
     (isize, imode), (msize, mmode) = facts["image"], facts["mask"]
@@ -191,20 +185,14 @@ def load_image_mask_folder(
             f"{root}: skipped {len(dropped)} unpaired file(s): " + "; ".join(dropped),
             stacklevel=2,
         )
-    cases = []
-    for cid in sorted(stems & set(images) & set(masks)):
-        checked = _check_pair(cid, images[cid], masks[cid])
-        if isinstance(checked, list):
-            problems += checked
-        else:
-            cases.append(checked)
-    if problems:
-        raise DataValidationError(root, problems)
-    if not cases:
-        raise DataValidationError(root, ["no image/mask pairs found; check the folder layout"])
-    return SegmentationCases(
-        root=root.resolve(),
-        cases=cases,
+    return collect_cases(
+        root,
+        (
+            _check_pair(cid, images[cid], masks[cid])
+            for cid in sorted(stems & set(images) & set(masks))
+        ),
+        problems,
+        empty="no image/mask pairs found; check the folder layout",
         num_classes=num_classes,
         source="images/masks",
         dropped=dropped,

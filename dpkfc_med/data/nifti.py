@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,10 @@ from dpkfc_med.data.cases import (
     SegmentationCase,
     SegmentationCases,
     case_id_from_path,
+    collect_cases,
     header_facts,
     is_nifti_file,
+    read_headers,
 )
 from dpkfc_med.data.dicom_folders import is_dicom_series_folder, load_dicom_segmentation_folder
 from dpkfc_med.data.errors import DataValidationError
@@ -158,16 +160,7 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
 
 def _check_pair(cid: str, image_path: Path, label_path: Path) -> SegmentationCase | list[str]:
     """Read both headers and check they describe one voxel grid; problems or the case."""
-    facts = {}
-    problems = []
-    for kind, p in (("image", image_path), ("label", label_path)):
-        try:
-            facts[kind] = header_facts(p)
-        except Exception as err:  # nibabel raises several types for corrupt / foreign files
-            problems.append(
-                f"case {cid}: {kind} {p.name} is unreadable or corrupt "
-                f"({type(err).__name__}: {err}); re-export or remove the case"
-            )
+    facts, problems = read_headers(cid, {"image": image_path, "label": label_path}, header_facts)
     if problems:
         return problems
     (ishape, izoom, idtype), (lshape, lzoom, ldtype) = facts["image"], facts["label"]
@@ -316,28 +309,21 @@ def load_segmentation_folder(
             stacklevel=2,
         )
 
-    cases: list[SegmentationCase] = []
-    for cid in sorted(pairs):
-        image_path, label_path = pairs[cid]
-        if not (image_path.is_file() and label_path.is_file()):
-            continue  # already reported by the pairing step
-        checked = _check_pair(cid, image_path, label_path)
-        if isinstance(checked, list):
-            problems += checked
-        else:
-            cases.append(checked)
+    def checked() -> Iterator[SegmentationCase | list[str]]:
+        for cid in sorted(pairs):
+            image_path, label_path = pairs[cid]
+            if image_path.is_file() and label_path.is_file():  # else reported by the pairing
+                yield _check_pair(cid, image_path, label_path)
 
-    if problems:
-        raise DataValidationError(root, problems)
-    if not cases:
-        raise DataValidationError(root, ["no image/label pairs found; check the folder layout"])
     if num_classes is not None:
         declared: int | None = num_classes
     else:
         declared = max(label_names) + 1 if label_names else None
-    return SegmentationCases(
-        root=root.resolve(),
-        cases=cases,
+    return collect_cases(
+        root,
+        checked(),
+        problems,
+        empty="no image/label pairs found; check the folder layout",
         label_names=label_names,
         num_classes=declared,
         source=source,
