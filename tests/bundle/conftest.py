@@ -5,12 +5,16 @@ Sizes follow tests/training: a few images / volumes, one epoch, tiny nets; secon
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import yaml
 
+from dpkfc_med.bundle import build_network
 from tests.conftest import SHARED_DATA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +111,33 @@ def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     nib.save(nib.Nifti1Image(array, affine), str(path))
+
+
+def monai_run(bundle: Path, dataset: Path, out: Path, **extra) -> None:
+    """Run an exported bundle's inference.yaml with MONAI alone."""
+    from monai.bundle import run
+
+    run(
+        config_file=str(bundle / "configs" / "inference.yaml"),
+        dataset_dir=str(dataset),
+        output_dir=str(out),
+        **extra,
+    )
+
+
+def engine_model(bundle: Path) -> torch.nn.Module:
+    """The trained network rebuilt by the engine's own builder (the reference)."""
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    cfg = yaml.safe_load((bundle / "docs" / "privacy_report.json").read_text())["run"]["config"]
+    fmt = meta["network_data_format"]
+    net = build_network(
+        cfg["model"]["name"],
+        len(fmt["inputs"]["image"]["spatial_shape"]),
+        fmt["inputs"]["image"]["num_channels"],
+        fmt["outputs"]["pred"]["num_channels"],
+        fmt["inputs"]["image"]["spatial_shape"],
+        cfg["model"]["norm"],
+        cfg["model"]["kwargs"],
+    )
+    net.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True))
+    return net.eval()

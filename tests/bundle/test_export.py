@@ -11,40 +11,11 @@ import pytest
 import torch
 import yaml
 
-from dpkfc_med.bundle import BundleExportError, build_network, export_bundle
+from dpkfc_med.bundle import BundleExportError, export_bundle
 from dpkfc_med.bundle.metadata import NO_GUARANTEE, metadata_problems, sha256_file
 from dpkfc_med.cli import main
 from dpkfc_med.privacy.accounting import PrivacyLedger
-from tests.bundle.conftest import PNEUMONIA, write_nifti
-
-
-def _monai_run(bundle: Path, dataset: Path, out: Path, **extra) -> None:
-    from monai.bundle import run
-
-    run(
-        config_file=str(bundle / "configs" / "inference.yaml"),
-        dataset_dir=str(dataset),
-        output_dir=str(out),
-        **extra,
-    )
-
-
-def _engine_model(bundle: Path) -> torch.nn.Module:
-    """The trained network rebuilt by the engine's own builder (the reference)."""
-    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
-    cfg = yaml.safe_load((bundle / "docs" / "privacy_report.json").read_text())["run"]["config"]
-    fmt = meta["network_data_format"]
-    net = build_network(
-        cfg["model"]["name"],
-        len(fmt["inputs"]["image"]["spatial_shape"]),
-        fmt["inputs"]["image"]["num_channels"],
-        fmt["outputs"]["pred"]["num_channels"],
-        fmt["inputs"]["image"]["spatial_shape"],
-        cfg["model"]["norm"],
-        cfg["model"]["kwargs"],
-    )
-    net.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True))
-    return net.eval()
+from tests.bundle.conftest import PNEUMONIA, engine_model, monai_run, write_nifti
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +77,11 @@ def test_exported_segmentation_bundle_writes_label_maps_like_the_engine(seg_bund
         image = (rng.random(shape) * 100).astype(np.float32)
         write_nifti(tmp_path / "cases" / f"case{i}.nii.gz", image, affine)
         write_nifti(tmp_path / "labels" / f"case{i}.nii.gz", np.zeros(shape, np.uint8), affine)
-    _monai_run(seg_bundle, tmp_path / "cases", tmp_path / "pred")
+    monai_run(seg_bundle, tmp_path / "cases", tmp_path / "pred")
 
     import nibabel as nib
 
-    net = _engine_model(seg_bundle)
+    net = engine_model(seg_bundle)
     patch = (16, 16, 16)
     load = segmentation_transforms(spatial_size=patch, train=False)
     for i, shape in enumerate(shapes):
@@ -147,9 +118,9 @@ def test_exported_classification_bundle_writes_probabilities_like_the_engine(cls
         }
     npz = tmp_path / "new_cases.npz"
     np.savez(npz, **arrays)
-    _monai_run(cls_bundle, npz, tmp_path / "pred")
-    _monai_run(cls_bundle, npz, tmp_path / "pred", split="val")
-    net = _engine_model(cls_bundle)
+    monai_run(cls_bundle, npz, tmp_path / "pred")
+    monai_run(cls_bundle, npz, tmp_path / "pred", split="val")
+    net = engine_model(cls_bundle)
     for split, n in (("test", 10), ("val", 3)):
         rows = np.loadtxt(
             tmp_path / "pred" / f"{split}_probabilities.csv", delimiter=",", skiprows=1
@@ -190,7 +161,7 @@ def test_small_cnn_bundle_says_it_needs_dpkfc_med(cls_bundle):
 def test_segmentation_bundle_names_an_empty_folder(seg_bundle, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RuntimeError) as info:
-        _monai_run(seg_bundle, tmp_path / "empty", tmp_path / "pred")
+        monai_run(seg_bundle, tmp_path / "empty", tmp_path / "pred")
     chain, err = [], info.value
     while err is not None:
         chain.append(str(err))

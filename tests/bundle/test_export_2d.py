@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
-from dpkfc_med.bundle import build_network, export_bundle
+from dpkfc_med.bundle import export_bundle
 from dpkfc_med.cli import main
+from tests.bundle.conftest import engine_model, monai_run
 from tests.data.test_data_images2d import png_folder
 from tests.training.test_segmentation_2d import CONFIG, FOLDER_2D, HIPPO, TINY, _sets
 
@@ -42,33 +43,6 @@ def slices_bundle(tmp_path_factory) -> Path:
     return export_bundle(run, base / "bundle")
 
 
-def _monai_run(bundle: Path, dataset: Path, out: Path) -> None:
-    from monai.bundle import run
-
-    run(
-        config_file=str(bundle / "configs" / "inference.yaml"),
-        dataset_dir=str(dataset),
-        output_dir=str(out),
-    )
-
-
-def _engine_model(bundle: Path) -> torch.nn.Module:
-    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
-    cfg = yaml.safe_load((bundle / "docs" / "privacy_report.json").read_text())["run"]["config"]
-    fmt = meta["network_data_format"]
-    net = build_network(
-        cfg["model"]["name"],
-        len(fmt["inputs"]["image"]["spatial_shape"]),
-        fmt["inputs"]["image"]["num_channels"],
-        fmt["outputs"]["pred"]["num_channels"],
-        fmt["inputs"]["image"]["spatial_shape"],
-        cfg["model"]["norm"],
-        cfg["model"]["kwargs"],
-    )
-    net.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True))
-    return net.eval()
-
-
 def _uncropped(pred: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """The engine's prediction on the padded image, with the symmetric padding cut off."""
     starts = [(p - s) // 2 for p, s in zip(pred.shape, shape)]
@@ -90,9 +64,9 @@ def test_png_bundle_writes_png_label_maps_like_the_engine(png_bundle, tmp_path):
     sizes = {"small": (12, 10), "wide": (30, 14)}  # (W, H): smaller and larger than the patch
     for name, (w, h) in sizes.items():
         Image.fromarray(rng.integers(0, 255, (h, w), dtype=np.uint8)).save(new / f"{name}.png")
-    _monai_run(png_bundle, tmp_path / "new", tmp_path / "pred")
+    monai_run(png_bundle, tmp_path / "new", tmp_path / "pred")
 
-    net = _engine_model(png_bundle)
+    net = engine_model(png_bundle)
     load = segmentation_transforms(spatial_size=(16, 16), train=False, reader="PILReader")
     for name, (w, h) in sizes.items():
         written = Image.open(tmp_path / "pred" / f"{name}_seg.png")
@@ -122,9 +96,9 @@ def test_slices_bundle_predicts_volumes_slice_by_slice_like_the_engine(slices_bu
     names = sorted(p.name for p in (HIPPO / "imagesTr").glob("hippocampus_*.nii.gz"))[:2]
     for name in names:
         os.symlink(HIPPO / "imagesTr" / name, cases / name)
-    _monai_run(slices_bundle, cases, tmp_path / "pred")
+    monai_run(slices_bundle, cases, tmp_path / "pred")
 
-    net = _engine_model(slices_bundle)
+    net = engine_model(slices_bundle)
     load = segmentation_transforms(
         spatial_size=(44, 56), train=False, slices=SliceRule(axis=2, per_unit=2)
     )
