@@ -339,9 +339,10 @@ def _bundle_task(
             "path": str(bundle),
             "format": "MONAI bundle (train#dataset data list)",
             "sha256": {"train#dataset#data": digest},
-            "num_items": len(data),
+            # units, not items: with --unit-key the item count (e.g. scans per patient) is
+            # a private statistic the shareable report must not carry
             "splits": {
-                "train": len(data),
+                "train": len(units),
                 "val": len(_get(parser, "validate#dataset#data", []) or []),
             },
             "unit_key": unit_key,

@@ -172,6 +172,7 @@ def test_items_sharing_the_unit_key_form_one_unit(data_dir):
         overrides=[f"dataset_dir={data_dir}", f"train#dataset#data={data}"],
     )  # fmt: skip
     assert len(b.task.train_set) == 3
+    assert b.task.data_record["splits"]["train"] == 3  # units; the 6 items stay unpublished
     batch = b.task.extra["collate"]([b.task.train_set[0]])
     assert batch["unit"].tolist() == [0, 0, 0, 0]  # 2 items x 2 crops
     with pytest.raises(BundleConfigError, match="item 0 is a str, not a dictionary"):
