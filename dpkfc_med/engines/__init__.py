@@ -4,8 +4,7 @@ from dpkfc_med.engines.trainer import (
     PrivacyEvents,
     PrivateTrainer,
     RunInterrupted,
-    dict_unpack,
     noise_only_step,
 )
 
-__all__ = ["PrivacyEvents", "PrivateTrainer", "RunInterrupted", "dict_unpack", "noise_only_step"]
+__all__ = ["PrivacyEvents", "PrivateTrainer", "RunInterrupted", "noise_only_step"]

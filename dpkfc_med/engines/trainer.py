@@ -41,7 +41,6 @@ __all__ = [
     "PrivacyEvents",
     "PrivateTrainer",
     "RunInterrupted",
-    "dict_unpack",
     "float32_output",
     "noise_only_step",
     "sigterm_as_interrupt",
@@ -60,18 +59,6 @@ class PrivacyEvents(EventEnum):
 
 class RunInterrupted(KeyboardInterrupt):
     """Training was interrupted (Ctrl-C, SIGTERM); the message says what was spent, what next."""
-
-
-def dict_unpack(
-    image_key: str = "image", label_key: str = "label", unit_key: str | None = None
-) -> Unpack:
-    """Unpack a MONAI dictionary batch into ``(images, labels, unit ids or None)``."""
-
-    def unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
-        units = batch.get(unit_key) if unit_key is not None else None
-        return batch[image_key], batch[label_key], units
-
-    return unpack
 
 
 def _tuple_unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -136,7 +123,7 @@ class PrivateTrainer(SupervisedTrainer):
         per_sample_loss: ``loss(outputs, targets) -> Tensor[B]``, one loss per sample.
         privacy_engine: The engine that made the mechanism; ``None`` trains non-privately.
         unpack: ``batch -> (images [B, C, *S], targets, unit ids [B] or None)``; defaults to
-            tuples ``(x, y[, units])``; :func:`dict_unpack` reads MONAI dictionaries.
+            tuples ``(x, y[, units])``.
         precision: The forward pass's precision (``bf16``/``fp16`` autocast on CUDA).
         epoch_length: Iterations per epoch (default ``len(train_data_loader)``).
         train_handlers: Handlers with an ``attach(engine)`` method.
