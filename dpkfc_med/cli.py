@@ -174,9 +174,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "evaluation. Probe shapes come from configs/metadata.json's network_data_format.",
     )
     t.add_argument("bundle_dir")
-    t.add_argument("--epsilon", type=float, required=True, help="target epsilon of the run")
+    t.add_argument(
+        "--epsilon",
+        type=float,
+        default=None,
+        help="target epsilon of the run (default: the bundle's private_training section)",
+    )
     t.add_argument("--delta", type=float, default=None, help="target delta (default: 1e-5 rule)")
-    t.add_argument("--method", default="dp-kfc", help="dp-kfc (default), dp-sgd or nonprivate")
+    t.add_argument(
+        "--method",
+        default=None,
+        help="dp-kfc, dp-sgd or nonprivate (default: the bundle's private_training, else dp-kfc)",
+    )
     t.add_argument("--unit-key", default=None, help="data-list key of the unit (patient) id")
     t.add_argument("--out", default=None, help="run directory (default runs/<bundle name>)")
     t.add_argument(

@@ -1,17 +1,23 @@
 """The generated files of the training bundles in ``pipelines/`` (metadata and inference config).
 
-Each ``pipelines/NAME/configs/train.yaml`` is written by hand and names its run config
-(``run_config``); everything else in ``configs/`` is generated from that run config by
-:func:`pipeline_files`, with the same code as ``dpkfc-med bundle export``, so no setting is
-written twice. Regenerate after changing a run config::
+Each ``pipelines/NAME/configs/train.json`` is a bundle in the MONAI Model Zoo layout, written by
+hand: its own ``network_def``, transforms, loss, optimizer, data lists, trainer and evaluator,
+and a ``private_training`` section with the privacy recipe. ``dpkfc-med bundle train
+pipelines/NAME`` trains it privately; ``python -m monai.bundle run --config_file
+pipelines/NAME/configs/train.json`` trains it with MONAI alone (no privacy).
+
+Its ``configs/metadata.json`` (apart from ``network_data_format``, which the bundle states and
+the probes read) and ``configs/inference.yaml`` are generated from the bundle by
+:func:`pipeline_files`, with the same code as ``dpkfc-med bundle export``. Regenerate after
+changing a bundle::
 
     python -m dpkfc_med.bundle.pipelines            # rewrite pipelines/*/configs
     python -m dpkfc_med.bundle.pipelines --check    # exit 1 if a file is out of date
 
-A pipeline's ``metadata.json`` states the privacy target of its run config; the spent values
-are ``null`` until a run is exported. Its ``inference.yaml`` is the template an export fills:
-it reads ``models/model.pt``, which only ``dpkfc-med bundle export`` writes (after checking
-that the run finished within its budget).
+A pipeline's ``metadata.json`` states the privacy target of its recipe; the spent values are
+``null`` until a run is exported. Its ``inference.yaml`` is the template an export fills: it
+reads ``models/model.pt``, which only ``dpkfc-med bundle export`` writes (after checking that
+the run finished within its budget).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -28,30 +33,10 @@ from dpkfc_med.bundle.inference import HEADER, inference_config
 from dpkfc_med.bundle.metadata import bundle_metadata, untrained_dp_block
 from dpkfc_med.bundle.network import network_definition
 
-__all__ = ["PIPELINES_DIR", "pipeline_files", "run_config_path"]
+__all__ = ["PIPELINES_DIR", "pipeline_files"]
 
 PIPELINES_DIR = Path(__file__).resolve().parents[2] / "pipelines"
 """``pipelines/`` of the checkout."""
-
-# Only the shapes are read off the data (tiny subsets: the shapes do not depend on them).
-_SHAPE_ONLY = ["data.max_train=2", "data.max_eval=1", "data.unit_ids=null"]
-
-
-def run_config_path(bundle: Path) -> Path:
-    """The run config named by ``bundle/configs/train.yaml`` (its ``run_config``)."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config(str(bundle / "configs" / "train.yaml"))
-    parser["bundle_root"] = str(bundle)
-    return Path(parser.get_parsed_content("run_config")).resolve()
-
-
-def _task_record(cfg: Any) -> dict[str, Any]:
-    from dpkfc_med.training.setup import task_record
-    from dpkfc_med.training.task_build import build_task
-
-    return task_record(build_task(cfg, public_probes=False))
 
 
 def pipeline_files(bundle: Path) -> dict[str, str]:
@@ -63,26 +48,24 @@ def pipeline_files(bundle: Path) -> dict[str, str]:
     Returns:
         Relative path -> text, for ``configs/metadata.json`` and ``configs/inference.yaml``.
     """
-    from dpkfc_med.training.config import load_config
+    from dpkfc_med.bundle.zoo import prepare_bundle
+    from dpkfc_med.training.setup import task_record
 
-    config = run_config_path(bundle)
-    cfg = load_config(config)
-    task = _task_record(load_config(config, _SHAPE_ONLY))
+    prepared = prepare_bundle(bundle)
+    cfg = prepared.cfg
+    task = task_record(prepared.task)
     net = network_definition(cfg.to_dict()["model"], task)
-    unit = "patient/volume" if task["kind"] == "segmentation" else "image"
-    if cfg.data.unit_ids:
-        unit = "patient (data.unit_ids)"
     meta = bundle_metadata(
         cfg,
         task,
-        dp=untrained_dp_block(cfg, unit=unit),
-        bundle_version="0.1.0",
+        dp=untrained_dp_block(cfg, unit=prepared.task.privacy_unit),
+        bundle_version="0.2.0",
         changelog=(
-            "training recipe; no trained weights (train with the bundle's training entry, "
-            "then `dpkfc-med bundle export RUN_DIR OUT_DIR`)"
+            "training recipe in the Model Zoo layout; no trained weights (train with "
+            "`dpkfc-med bundle train`, then `dpkfc-med bundle export RUN_DIR OUT_DIR`)"
         ),
         needs_dpkfc=True,
-        what=f"Private training recipe (run config configs/{config.name}); not a trained model.",
+        what="Private training recipe (a MONAI bundle: configs/train.json); not a trained model.",
     )
     meta["network_definition"] = net.note
     infer = inference_config(cfg, task, net.config)
@@ -99,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     stale = []
     for bundle in sorted(
-        d for d in PIPELINES_DIR.iterdir() if (d / "configs/train.yaml").is_file()
+        d for d in PIPELINES_DIR.iterdir() if (d / "configs/train.json").is_file()
     ):
         for rel, text in pipeline_files(bundle).items():
             path = bundle / rel

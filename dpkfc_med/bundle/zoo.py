@@ -29,20 +29,20 @@ refused with the id and the fix (:class:`BundleConfigError`).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch import nn
 
-from dpkfc_med.data.units import reseed_for_unit
-from dpkfc_med.training.config import ConfigError
+from dpkfc_med.bundle.zoo_task import (
+    BundleConfigError,
+    bundle_task,
+    config_value,
+    has_id,
+    network_format,
+)
 
 __all__ = [
     "BundleConfigError",
@@ -57,11 +57,9 @@ TRAIN_FILES = ("configs/train.json", "configs/train.yaml", "configs/train.yml")
 METADATA = "configs/metadata.json"
 BUNDLE_MODEL_PREFIX = "bundle:"
 """``model.name`` of a bundle run: ``bundle:<bundle folder>#network_def``."""
+BUNDLE_OPTIONS = "bundle_options.json"
+"""How a bundle run was prepared, in its custodian folder (for ``dpkfc-med evaluate``)."""
 REPLACED_HANDLERS = ("CheckpointSaver", "ValidationHandler", "LrScheduleHandler")
-
-
-class BundleConfigError(ConfigError):
-    """A bundle setting that would break the guarantee or cannot be used; names the id."""
 
 
 def _train_file(bundle: Path) -> Path:
@@ -111,28 +109,13 @@ def load_bundle(bundle_dir: str | Path, overrides: Sequence[str] = ()) -> Any:
     return parser
 
 
-def _get(parser: Any, key: str, default: Any = None) -> Any:
-    try:
-        return parser.get_parsed_content(key, instantiate=True)
-    except KeyError:
-        return default
-
-
-def _has(parser: Any, key: str) -> bool:
-    try:
-        parser[key]
-    except (KeyError, IndexError, TypeError):
-        return False
-    return True
-
-
 def guarantee_problems(parser: Any) -> list[str]:
     """The settings that would break the guarantee, each replaced by the private equivalent.
 
     One sentence per setting, naming its id; the report lists them.
     """
     replaced: list[str] = []
-    if _has(parser, "train#trainer#amp") and parser["train#trainer#amp"] in (True, "true"):
+    if has_id(parser, "train#trainer#amp") and parser["train#trainer#amp"] in (True, "true"):
         replaced.append(
             "train#trainer#amp: true: replaced by the private engine's precision "
             "(training.precision: float32, or bf16 on a GPU with --set training.precision=bf16, "
@@ -141,13 +124,13 @@ def guarantee_problems(parser: Any) -> list[str]:
             "size)"
         )
     for key in ("train#dataloader#sampler", "train#dataloader#shuffle"):
-        if _has(parser, key) and parser[key] not in (None, False, "false"):
+        if has_id(parser, key) and parser[key] not in (None, False, "false"):
             replaced.append(
                 f"{key}: replaced by Poisson sampling of privacy units (the accountant's "
                 "assumption)"
             )
     for section in ("train#handlers", "validate#handlers"):
-        if not _has(parser, section):
+        if not has_id(parser, section):
             continue
         for i, h in enumerate(parser[section] or []):
             target = str(h.get("_target_", "")) if isinstance(h, dict) else ""
@@ -165,238 +148,6 @@ def guarantee_problems(parser: Any) -> list[str]:
     return replaced
 
 
-class _UnitItems(Dataset):
-    """One item per privacy unit: every sample the transform makes of the unit's data items.
-
-    Args:
-        units: Unit id -> the data-list items of that unit.
-        transform: The bundle's ``train#preprocessing``.
-        seed: The run seed (``None``: OS entropy); with the unit id and its draw count it keys
-            the unit's random transforms.
-    """
-
-    def __init__(self, units: dict[str, list[Any]], transform: Any, seed: int | None) -> None:
-        self.ids = sorted(units)
-        self.units, self.transform, self.seed = units, transform, seed
-        self.draws: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> list[dict[str, Any]]:
-        uid = self.ids[index]
-        draw = self.draws.get(uid, 0)
-        self.draws[uid] = draw + 1
-        reseed_for_unit(self.transform, self.seed, uid, draw)
-        samples: list[dict[str, Any]] = []
-        for item in self.units[uid]:
-            out = self.transform(dict(item)) if self.transform is not None else dict(item)
-            samples.extend(out if isinstance(out, list) else [out])
-        return samples
-
-
-def _plain(x: Any) -> Tensor:
-    """A plain tensor (MONAI's ``MetaTensor`` meta data is not needed by the private step)."""
-    return x.as_tensor() if hasattr(x, "as_tensor") else torch.as_tensor(x)
-
-
-class _UnitCollate:
-    """Concatenate the samples of the drawn units: ``{"image", "label", "unit"}``."""
-
-    def __init__(self, channels: int, patch: Sequence[int], image_key: str, label_key: str):
-        self.channels, self.patch = channels, tuple(patch)
-        self.image_key, self.label_key = image_key, label_key
-
-    def __call__(self, units: list[list[dict[str, Any]]]) -> dict[str, Tensor]:
-        images, labels, ids = [], [], []
-        for u, samples in enumerate(units):
-            for s in samples:
-                images.append(_plain(s[self.image_key]))
-                labels.append(_plain(s[self.label_key]))
-                ids.append(u)
-        if not images:  # an empty Poisson batch still takes its noisy step
-            return {
-                "image": torch.zeros(0, self.channels, *self.patch),
-                "label": torch.zeros(0, 1, *self.patch),
-                "unit": torch.zeros(0, dtype=torch.int64),
-            }
-        return {
-            "image": torch.stack(images).float(),
-            "label": torch.stack(labels),
-            "unit": torch.tensor(ids, dtype=torch.int64),
-        }
-
-
-def _network_format(parser: Any) -> dict[str, Any]:
-    """Probe shape, channels and classes from the metadata's ``network_data_format``."""
-    fmt: dict[str, Any] = {}
-    try:
-        fmt = parser.get("_meta_#network_data_format") or {}
-    except (KeyError, AttributeError):
-        fmt = {}
-    image = (fmt.get("inputs") or {}).get("image") or {}
-    pred = (fmt.get("outputs") or {}).get("pred") or {}
-    shape = image.get("spatial_shape")
-    out = {
-        "spatial_shape": [int(s) for s in shape] if shape else None,
-        "in_channels": image.get("num_channels"),
-        "num_classes": pred.get("num_channels"),
-    }
-    missing = [k for k, v in out.items() if not v]
-    if missing:
-        raise BundleConfigError(
-            [
-                f"configs/metadata.json network_data_format: {', '.join(missing)} not given "
-                "(inputs.image.spatial_shape / num_channels, outputs.pred.num_channels); the "
-                "probes take them from the metadata, never from the data: add them there or "
-                "pass --override _meta_#network_data_format#inputs#image#spatial_shape=[96,96,96]"
-            ]
-        )
-    return out
-
-
-def _per_sample(loss: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
-    """The bundle's (batch-mean) loss applied to each sample alone: ``[N]``."""
-
-    def per_sample(outputs: Tensor, targets: Tensor) -> Tensor:
-        return torch.stack(
-            [loss(outputs[i : i + 1], targets[i : i + 1]) for i in range(len(outputs))]
-        )
-
-    return per_sample
-
-
-def _bundle_task(
-    parser: Any, bundle: Path, unit_key: str | None, seed: int | None, fmt: dict[str, Any]
-) -> Any:
-    from dpkfc_med.training.tasks import Task
-
-    data = _get(parser, "train#dataset#data")
-    if not isinstance(data, list) or not data:
-        raise BundleConfigError(
-            ["train#dataset#data: the bundle's training data list is missing or empty; the "
-             "private engine samples its items (set it, or --override dataset_dir=...)"]
-        )  # fmt: skip
-    units: dict[str, list[Any]] = {}
-    for i, item in enumerate(data):
-        if not isinstance(item, dict):
-            raise BundleConfigError(
-                [f"train#dataset#data: item {i} is a {type(item).__name__}, not a dictionary "
-                 "such as {'image': ..., 'label': ...}; the private engine reads the image and "
-                 "label keys of each item"]
-            )  # fmt: skip
-        if unit_key is not None:
-            if not isinstance(item, dict) or unit_key not in item:
-                raise BundleConfigError(
-                    [f"--unit-key {unit_key!r}: item {i} of train#dataset#data has no such "
-                     "key; give every item the unit (patient) id, or drop --unit-key"]
-                )  # fmt: skip
-            uid = str(item[unit_key])
-        else:
-            uid = f"item{i:06d}"
-        units.setdefault(uid, []).append(item)
-    transform = _get(parser, "train#preprocessing")
-    loss = _get(parser, "loss")
-    if loss is None:
-        raise BundleConfigError(["loss: the bundle defines no loss"])
-    patch = fmt["spatial_shape"]
-    channels, classes = int(fmt["in_channels"]), int(fmt["num_classes"])
-    evaluator_cfg = _has(parser, "validate#evaluator")
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-
-    class _Task(Task):
-        def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-            if self.kind == "segmentation" and targets.ndim == outputs.ndim - 1:
-                targets = targets.unsqueeze(1)  # class-id maps of probes: MONAI's [N, 1, *S]
-            return _per_sample(loss)(outputs, targets)
-
-        def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-            if self.kind == "classification":
-                return F.cross_entropy(outputs, targets, reduction="none")
-            return F.cross_entropy(outputs, targets, reduction="none").flatten(1).mean(1)
-
-        def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
-            return batch["image"], batch["label"], batch["unit"]
-
-        def evaluate(self, model: nn.Module, split: str, device: torch.device, batch_size: int,
-                     *, full: bool = False) -> dict[str, Any]:  # fmt: skip
-            if split != "val" or not evaluator_cfg:
-                return {}
-            return _run_evaluator(parser, model, device)
-
-    kind = (
-        "segmentation" if len(patch) > 0 and classes > 1 and _is_dense(parser) else "classification"
-    )
-    return _Task(
-        kind=kind,
-        spatial_dims=len(patch),
-        in_channels=channels,
-        num_classes=classes,
-        spatial_shape=tuple(patch),
-        label_names=None,
-        train_set=_UnitItems(units, transform, seed),
-        data_record={
-            "path": str(bundle),
-            "format": "MONAI bundle (train#dataset data list)",
-            "sha256": {"train#dataset#data": digest},
-            # units, not items: with --unit-key the item count (e.g. scans per patient) is
-            # a private statistic the shareable report must not carry
-            "splits": {
-                "train": len(units),
-                "val": len(_get(parser, "validate#dataset#data", []) or []),
-            },
-            "unit_key": unit_key,
-        },
-        selection_metric=_key_metric(parser),
-        privacy_unit=f"item of train#dataset ({unit_key} group)"
-        if unit_key
-        else "item of train#dataset",
-        max_samples_per_unit=1,
-        max_samples_public=False,
-        intensity="zscore",
-        extra={"collate": _UnitCollate(channels, patch, "image", "label")},
-    )
-
-
-def _is_dense(parser: Any) -> bool:
-    """Whether the network predicts per voxel (a segmentation bundle)."""
-    try:
-        fmt = parser.get("_meta_#network_data_format") or {}
-    except (KeyError, AttributeError):
-        return True
-    pred = (fmt.get("outputs") or {}).get("pred") or {}
-    return pred.get("type", "image") == "image"
-
-
-def _key_metric(parser: Any) -> str:
-    if _has(parser, "validate#key_metric"):
-        km = parser["validate#key_metric"]
-        if isinstance(km, dict) and km:
-            return str(next(iter(km)))
-    return "val_mean_dice"
-
-
-def _run_evaluator(parser: Any, model: nn.Module, device: torch.device) -> dict[str, Any]:
-    """Run the bundle's ``validate#evaluator`` on ``model`` (custodian-only statistics)."""
-    parser["network"] = model  # validate#handlers were filtered by _user_handlers
-    evaluator = parser.get_parsed_content("validate#evaluator", lazy=False)
-    evaluator.network = model
-    was = model.training
-    try:
-        evaluator.run()
-    finally:
-        model.train(was)
-    return {k: float(v) for k, v in evaluator.state.metrics.items() if _is_number(v)}
-
-
-def _is_number(v: Any) -> bool:
-    try:
-        float(v)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 @dataclass
 class PreparedBundle:
     """A bundle ready for the private engine: the run config, task, network and handlers."""
@@ -407,14 +158,18 @@ class PreparedBundle:
     fixes: list[dict[str, Any]]
     handlers: list[Any]
     replaced: list[str]
+    options: dict[str, Any]
+    """The arguments it was prepared with (custodian-only: paths), to rebuild it."""
+    parser: Any
+    """The bundle's train config (MONAI ``ConfigParser``), overrides applied."""
 
 
 def prepare_bundle(
     bundle_dir: str | Path,
     *,
-    epsilon: float,
+    epsilon: float | None = None,
     delta: float | None = None,
-    method: str = "dp-kfc",
+    method: str | None = None,
     unit_key: str | None = None,
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
@@ -424,13 +179,21 @@ def prepare_bundle(
 
     Args:
         bundle_dir: A bundle in the Model Zoo layout.
-        epsilon: Target epsilon of the whole run.
-        delta: Target delta (default: the project's rule from the number of units).
-        method: ``dp-kfc``, ``dp-sgd`` or ``nonprivate``.
+        epsilon: Target epsilon of the whole run (default: the bundle's
+            ``private_training#privacy#target_epsilon``; one of the two is required).
+        delta: Target delta (default: the bundle's, else the project's rule from the number
+            of units).
+        method: ``dp-kfc``, ``dp-sgd`` or ``nonprivate`` (default: the bundle's
+            ``private_training#method``, else ``dp-kfc``).
         unit_key: Data-list key whose items form one unit (a patient id); default one item.
         out: The run directory (default ``runs/<bundle name>``).
         overrides: ``ID=VALUE`` settings of the bundle config (MONAI ids, ``#`` separated).
         settings: ``--set``-style settings of the private run (``privacy.max_grad_norm=0.5``).
+
+    The bundle's ``private_training`` section (run-config fields: ``method``, ``privacy``,
+    ``training``, ``pretrain``, ``probes``, ``preconditioner``, ``data`` statements such as
+    ``modality``) is applied over what its components give; ``epsilon``, ``delta``, ``method``
+    and ``settings`` are applied over it.
     """
     from monai.bundle import ConfigParser
 
@@ -440,12 +203,12 @@ def prepare_bundle(
     bundle = Path(bundle_dir)
     parser = load_bundle(bundle, overrides)
     replaced = guarantee_problems(parser)
-    fmt = _network_format(parser)
+    fmt = network_format(parser)
     network_def = parser.get_parsed_content("network_def", instantiate=False).get_config()
-    epochs = int(_get(parser, "train#trainer#max_epochs", 1) or 1)
-    batch = int(_get(parser, "train#dataloader#batch_size", 2) or 2)
-    lr = float(parser["optimizer#lr"]) if _has(parser, "optimizer#lr") else 1e-3
-    opt_target = str(parser["optimizer#_target_"]) if _has(parser, "optimizer#_target_") else ""
+    epochs = int(config_value(parser, "train#trainer#max_epochs", 1) or 1)
+    batch = int(config_value(parser, "train#dataloader#batch_size", 2) or 2)
+    lr = float(parser["optimizer#lr"]) if has_id(parser, "optimizer#lr") else 1e-3
+    opt_target = str(parser["optimizer#_target_"]) if has_id(parser, "optimizer#_target_") else ""
     optimizer = "adam" if opt_target.rsplit(".", 1)[-1].lower() == "adam" else "sgd"
     if opt_target and opt_target.rsplit(".", 1)[-1].lower() not in ("adam", "sgd"):
         replaced.append(
@@ -455,26 +218,37 @@ def prepare_bundle(
     name = bundle.resolve().name
     raw: dict[str, Any] = {
         "name": name,
-        "data": {"task": "segmentation", "path": str(bundle)},
+        "data": {"task": "segmentation" if fmt["dense"] else "classification", "path": str(bundle)},
         # the bundle's network_def (references resolved): export rebuilds it from this
         "model": {
             "name": f"{BUNDLE_MODEL_PREFIX}{name}#network_def",
             "norm": "group",
             "kwargs": {"network_def": _plain_config(network_def)},
         },
-        "method": method,
-        "privacy": {"target_epsilon": float(epsilon)},
+        "method": "dp-kfc",
+        "privacy": {},
         "training": {"epochs": epochs, "batch_size": batch, "lr": lr, "optimizer": optimizer,
-                     "select_epoch": "last"},
+                     "select_epoch": "last",
+                     **{k: float(parser[f"optimizer#{k}"]) for k in ("momentum", "weight_decay")
+                        if has_id(parser, f"optimizer#{k}")}},
         "pretrain": {"steps": 0},
-        "output": {"dir": str(out) if out is not None else f"runs/{name}"},
     }  # fmt: skip
-    if delta is not None:
-        raw["privacy"]["delta"] = float(delta)
+    _merge(raw, _private_training(parser))
+    raw["output"] = {"dir": str(out) if out is not None else f"runs/{name}"}
+    for key, value in (("target_epsilon", epsilon), ("delta", delta)):
+        if value is not None:
+            raw["privacy"][key] = float(value)
+    if method is not None:
+        raw["method"] = method
+    if "target_epsilon" not in raw["privacy"]:
+        raise BundleConfigError(
+            ["no target epsilon: pass --epsilon E, or set private_training#privacy#"
+             "target_epsilon in the bundle's train config"]
+        )  # fmt: skip
     raw = apply_overrides(raw, list(settings)) if settings else raw
     cfg = config_from_dict(raw, f"{bundle} (bundle train)")
     seed = None if cfg.privacy.secure_rng else cfg.training.seed
-    task = _bundle_task(parser, bundle, unit_key, seed, fmt)
+    task = bundle_task(parser, bundle, unit_key, seed, fmt)
     # built from the resolved definition the export rebuilds, so both are one network
     network = ConfigParser({"net": raw["model"]["kwargs"]["network_def"]}).get_parsed_content("net")
     if not isinstance(network, nn.Module):
@@ -483,12 +257,58 @@ def prepare_bundle(
     validate_private_compatible(network)
     handlers, logged = _user_handlers(parser, cfg.run_dir())
     task.data_record["bundle"] = {
-        "name": parser.get("_meta_#name", name) if _has(parser, "_meta_") else name,
-        "version": parser.get("_meta_#version") if _has(parser, "_meta_") else None,
+        "name": parser.get("_meta_#name", name) if has_id(parser, "_meta_") else name,
+        "version": parser.get("_meta_#version") if has_id(parser, "_meta_") else None,
         "replaced": replaced,
         "custodian_handlers": logged,
     }
-    return PreparedBundle(cfg, task, network, [_fix_dict(f) for f in fixes], handlers, replaced)
+    options = {
+        "bundle_dir": str(bundle.resolve()),
+        "epsilon": epsilon,
+        "delta": delta,
+        "method": method,
+        "unit_key": unit_key,
+        "overrides": list(overrides),
+        "settings": list(settings),
+    }
+    return PreparedBundle(
+        cfg, task, network, [_fix_dict(f) for f in fixes], handlers, replaced, options, parser
+    )
+
+
+_FROM_COMPONENTS = ("name", "model", "output", "data#path", "data#task")
+
+
+def _private_training(parser: Any) -> dict[str, Any]:
+    """The bundle's ``private_training`` section: run-config fields over its components."""
+    if not has_id(parser, "private_training"):
+        return {}
+    section = parser["private_training"]
+    if not isinstance(section, dict):
+        raise BundleConfigError(
+            ["private_training: expected a mapping of run-config fields (privacy, training, "
+             "probes, ...), as in a dpkfc-med YAML config"]
+        )  # fmt: skip
+    taken = [
+        f"private_training#{key}"
+        for key in _FROM_COMPONENTS
+        if has_id(parser, f"private_training#{key}")
+    ]
+    if taken:
+        raise BundleConfigError(
+            [f"{key}: comes from the bundle's own components (network_def, the data list, "
+             "--out), not from private_training; remove it" for key in taken]
+        )  # fmt: skip
+    return _plain_config(section, "private_training")
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Merge ``extra`` into ``base`` (nested mappings key by key, anything else replaced)."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def _user_handlers(parser: Any, run_dir: Path) -> tuple[list[Any], list[str]]:
@@ -506,7 +326,7 @@ def _user_handlers(parser: Any, run_dir: Path) -> tuple[list[Any], list[str]]:
 
     names: list[str] = []
     for section in ("train#handlers", "validate#handlers"):
-        if not _has(parser, section):
+        if not has_id(parser, section):
             continue
         kept = []
         for h in parser[section] or []:
@@ -523,9 +343,7 @@ def _user_handlers(parser: Any, run_dir: Path) -> tuple[list[Any], list[str]]:
             kept.append(h)
             names.append(name if section.startswith("train") else f"{name} (validation)")
         parser[section] = kept
-    handlers = (
-        list(_get(parser, "train#handlers", []) or []) if _has(parser, "train#handlers") else []
-    )
+    handlers = list(config_value(parser, "train#handlers", []) or [])
     return handlers, names
 
 
@@ -535,12 +353,14 @@ def train_bundle(bundle_dir: str | Path, *, resume: bool = False, **options: Any
     Args:
         bundle_dir: A bundle in the Model Zoo layout.
         resume: Continue the run in ``out`` within its budget.
-        **options: ``epsilon`` (required) and the other arguments of :func:`prepare_bundle`.
+        **options: The arguments of :func:`prepare_bundle`.
     """
+    from dpkfc_med.report.custodian import PRIVATE_DIR
     from dpkfc_med.training.run import train
+    from dpkfc_med.utils import write_json
 
     b = prepare_bundle(bundle_dir, **options)
-    return train(
+    result = train(
         b.cfg,
         resume=resume,
         task=b.task,
@@ -548,19 +368,95 @@ def train_bundle(bundle_dir: str | Path, *, resume: bool = False, **options: Any
         handlers=b.handlers,
         decollate=True,  # the bundle's handlers read per-sample outputs, as in MONAI
     )
+    # how to rebuild the bundle's data and evaluator (`dpkfc-med evaluate`); paths: custodian
+    write_json(Path(result.run_dir) / PRIVATE_DIR / BUNDLE_OPTIONS, b.options)
+    return result
 
 
-def _plain_config(value: Any) -> Any:
+def evaluate_bundle_run(
+    run_dir: str | Path, *, split: str = "test", device: str = "cpu"
+) -> dict[str, Any]:
+    """The bundle's ``validate#evaluator`` on a finished bundle run's released model.
+
+    Args:
+        run_dir: A finished ``dpkfc-med bundle train`` run.
+        split: ``val`` (``validate#dataset#data``) or ``test`` (``test#dataset#data``).
+        device: Where the run's model is evaluated (the evaluator keeps the bundle's
+            ``device``).
+
+    Returns:
+        The metrics (named by the bundle's key metric, ``test_`` for the test split), ``n``,
+        ``overlap_with_training`` (evaluated items also in ``train#dataset#data``),
+        ``not_dp`` and the privacy note; also written to the run's custodian folder
+        (``evaluations/bundle_<split>.json``).
+
+    Raises:
+        ConfigError: Not a finished bundle run, or a split the bundle has no data list for.
+    """
+    import json
+
+    import torch
+
+    from dpkfc_med.bundle.zoo_task import SPLIT_DATA, data_digest
+    from dpkfc_med.report.custodian import PRIVATE_DIR
+    from dpkfc_med.training.evaluate import EVALUATIONS_DIR, PRIVACY_NOTE
+    from dpkfc_med.utils import write_json
+
+    run = Path(run_dir)
+    stored = run / PRIVATE_DIR / BUNDLE_OPTIONS
+    missing = [str(p) for p in (stored, run / "model.pt") if not p.is_file()]
+    if missing:
+        raise BundleConfigError(
+            [f"{p}: missing; a `dpkfc-med bundle train` run writes it when it finishes "
+             "(resume an unfinished run with --resume)" for p in missing]
+        )  # fmt: skip
+    options = json.loads(stored.read_text())
+    b = prepare_bundle(options.pop("bundle_dir"), **{**options, "out": run})
+    if split not in b.task.extra["splits"]:
+        raise BundleConfigError(
+            [f"--split {split}: the bundle has no {SPLIT_DATA.get(split, split)}; it evaluates "
+             f"{sorted(b.task.extra['splits'])} (data lists {', '.join(SPLIT_DATA.values())})"]
+        )  # fmt: skip
+    saved = torch.load(run / "model.pt", map_location="cpu", weights_only=False)
+    b.network.load_state_dict(saved["model"])
+    model = b.network.to(torch.device(device))
+    train_items = {data_digest(i) for i in config_value(b.parser, "train#dataset#data", [])}
+    items = config_value(b.parser, SPLIT_DATA[split], []) or []
+    shared = sum(data_digest(i) in train_items for i in items)
+    metrics = b.task.evaluate(model, split, torch.device(device), 1, full=True)
+    out = {
+        "run": str(run),
+        "data": {"bundle": b.options["bundle_dir"], "list": SPLIT_DATA[split]},
+        "split": split,
+        "not_dp": bool(shared),
+        **(
+            {"warning": f"{shared} of the {len(items)} evaluated items are in the run's "
+                        "training data list: these figures are not differentially private"}
+            if shared
+            else {}
+        ),
+        "overlap_with_training": {
+            "checked": True, "unit": "items", "evaluated": len(items), "shared": shared,
+            "method": "SHA-256 of each data-list item against train#dataset#data",
+        },
+        "privacy_note": PRIVACY_NOTE,
+        **metrics,
+    }  # fmt: skip
+    write_json(run / EVALUATIONS_DIR / f"bundle_{split}.json", out)
+    return out
+
+
+def _plain_config(value: Any, where: str = "network_def") -> Any:
     """A resolved config as plain lists, dicts and scalars (YAML-safe)."""
     if isinstance(value, (list, tuple)):
-        return [_plain_config(v) for v in value]
+        return [_plain_config(v, where) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain_config(v) for k, v in value.items()}
+        return {str(k): _plain_config(v, where) for k, v in value.items()}
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     raise BundleConfigError(
-        [f"network_def: the value {value!r} is not a plain setting; give network_def as a "
-         "_target_ with plain arguments so the released model can be rebuilt"]
+        [f"{where}: the value {value!r} is not a plain setting; give {where} with plain "
+         "arguments (numbers, strings, lists), so the run can be rebuilt from its record"]
     )  # fmt: skip
 
 

@@ -87,6 +87,16 @@ def evaluate_run(
             problems + ["evaluate needs a finished run directory (dpkfc-med train ...)"], str(run)
         )
     raw = yaml.safe_load((run / "config.yaml").read_text())
+    if str((raw.get("model") or {}).get("name", "")).startswith("bundle:"):
+        from dpkfc_med.bundle.zoo import evaluate_bundle_run
+
+        if data is not None:
+            raise ConfigError(
+                ["--data: a bundle run is evaluated on its bundle's own data lists (--split "
+                 "val or test); for other data, export it (dpkfc-med bundle export) and run "
+                 "the bundle's inference"], str(run)
+            )  # fmt: skip
+        return evaluate_bundle_run(run, split=split, device=device)
     trained = config_from_dict(copy.deepcopy(raw), str(run / "config.yaml"))
     cfg = config_from_dict(raw, str(run / "config.yaml"))
     cfg.data.max_train = None

@@ -1,4 +1,4 @@
-"""Toy runs for the bundle tests, trained through the bundles' own ``training`` entry.
+"""Toy runs for the bundle tests, trained from the run configs the pipeline bundles mirror.
 
 Sizes follow tests/training: a few images / volumes, one epoch, tiny nets; seconds per run.
 """
@@ -55,23 +55,27 @@ CLS_TINY = [
 ]
 
 
-def bundle_train(name: str, overrides: list[str], out: Path) -> None:
-    """``python -m monai.bundle run training --config_file pipelines/NAME/configs/train.yaml``."""
-    from monai.bundle import run
+CONFIGS = {
+    "segmentation_3d": ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml",
+    "classification_2d": ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml",
+    "classification_3d": ROOT / "configs" / "adrenalmnist3d_resnet_3d_eps8.yaml",
+}
+"""The run config each pipeline bundle in ``pipelines/`` is the Model Zoo form of."""
 
-    run(
-        "training",
-        config_file=str(PIPELINES / name / "configs" / "train.yaml"),
-        overrides=overrides,
-        output_dir=str(out),
-    )
+
+def config_train(config: Path, overrides: list[str], out: Path) -> None:
+    """``dpkfc-med train CONFIG --set ... --out OUT`` (a run to export)."""
+    from dpkfc_med.cli import main
+
+    sets = [a for item in overrides for a in ("--set", item)]
+    assert main(["train", str(config), "--out", str(out), *sets]) == 0
 
 
 @pytest.fixture(scope="session")
 def seg_run(tmp_path_factory) -> Path:
     assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}; set DPKFC_MED_DATA"
     out = tmp_path_factory.mktemp("bundle_seg") / "run"
-    bundle_train("segmentation_3d", SEG_TINY, out)
+    config_train(CONFIGS["segmentation_3d"], SEG_TINY, out)
     return out
 
 
@@ -79,7 +83,7 @@ def seg_run(tmp_path_factory) -> Path:
 def cls_run(tmp_path_factory) -> Path:
     assert PNEUMONIA.is_file(), f"no pneumoniamnist at {PNEUMONIA}; set DPKFC_MED_DATA"
     out = tmp_path_factory.mktemp("bundle_cls") / "run"
-    bundle_train("classification_2d", CLS_TINY, out)
+    config_train(CONFIGS["classification_2d"], CLS_TINY, out)
     return out
 
 

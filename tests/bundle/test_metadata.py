@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from dpkfc_med.bundle.metadata import (
     REQUIRED_KEYS,
@@ -13,7 +12,7 @@ from dpkfc_med.bundle.metadata import (
     UNTRAINED,
     metadata_problems,
 )
-from dpkfc_med.bundle.pipelines import pipeline_files, run_config_path
+from dpkfc_med.bundle.pipelines import pipeline_files
 from tests.bundle.conftest import PIPELINES
 
 NAMES = ["classification_2d", "classification_3d", "segmentation_3d"]
@@ -40,7 +39,9 @@ def test_pipeline_metadata_is_complete_and_states_the_target(name):
         for spec in meta["network_data_format"][part].values():
             assert set(TENSOR_KEYS) <= set(spec)
     dp = meta["differential_privacy"]
-    run_config = yaml.safe_load(run_config_path(PIPELINES / name).read_text())
+    run_config = json.loads((PIPELINES / name / "configs" / "train.json").read_text())[
+        "private_training"
+    ]
     assert dp["private"] is True
     assert dp["epsilon_target"] == run_config["privacy"]["target_epsilon"]
     assert dp["max_grad_norm"] == run_config["privacy"]["max_grad_norm"]

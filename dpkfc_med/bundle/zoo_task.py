@@ -1,0 +1,345 @@
+"""A bundle's data, loss and evaluator as a private-engine task (:mod:`dpkfc_med.bundle.zoo`).
+
+- **Units:** one unit is one item of ``train#dataset``'s data list, or all items sharing a unit
+  key (a patient id). The samples a random transform makes of one item
+  (``RandCropByPosNegLabeld(num_samples=k)``) are the unit's, summed before clipping; each
+  unit's random transforms draw from a generator keyed by (seed, unit, draw), never by the
+  sampling history.
+- **Loss:** the bundle's (batch-mean) ``loss`` applied to each sample alone.
+- **Probes:** shape, channels and classes from ``metadata.json``'s ``network_data_format``,
+  never from the data.
+- **Evaluation:** the bundle's ``validate#evaluator`` on ``validate#dataset#data`` (split
+  ``val``) or on ``test#dataset#data`` (split ``test``, when the bundle has one); its figures
+  are un-noised statistics of private data, for the custodian only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from dpkfc_med.data.units import reseed_for_unit
+from dpkfc_med.training.config import ConfigError
+
+__all__ = ["BundleConfigError", "bundle_task", "config_value", "has_id", "network_format"]
+
+SPLIT_DATA = {"val": "validate#dataset#data", "test": "test#dataset#data"}
+"""The data list each evaluation split reads; ``validate#evaluator`` runs on it."""
+
+
+class BundleConfigError(ConfigError):
+    """A bundle setting that would break the guarantee or cannot be used; names the id."""
+
+
+def config_value(parser: Any, key: str, default: Any = None) -> Any:
+    """The parsed (instantiated) content of ``key``, or ``default`` when the id is absent."""
+    try:
+        return parser.get_parsed_content(key, instantiate=True)
+    except KeyError:
+        return default
+
+
+def has_id(parser: Any, key: str) -> bool:
+    """Whether the bundle config defines ``key`` (a MONAI ``#`` id)."""
+    try:
+        parser[key]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return True
+
+
+class _UnitItems(Dataset):
+    """One item per privacy unit: every sample the transform makes of the unit's data items.
+
+    Args:
+        units: Unit id -> the data-list items of that unit.
+        transform: The bundle's ``train#preprocessing``.
+        seed: The run seed (``None``: OS entropy); with the unit id and its draw count it keys
+            the unit's random transforms.
+    """
+
+    def __init__(self, units: dict[str, list[Any]], transform: Any, seed: int | None) -> None:
+        self.ids = sorted(units)
+        self.units, self.transform, self.seed = units, transform, seed
+        self.draws: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> list[dict[str, Any]]:
+        uid = self.ids[index]
+        draw = self.draws.get(uid, 0)
+        self.draws[uid] = draw + 1
+        reseed_for_unit(self.transform, self.seed, uid, draw)
+        samples: list[dict[str, Any]] = []
+        for item in self.units[uid]:
+            out = self.transform(dict(item)) if self.transform is not None else dict(item)
+            samples.extend(out if isinstance(out, list) else [out])
+        return samples
+
+
+def _plain(x: Any) -> Tensor:
+    """A plain tensor (MONAI's ``MetaTensor`` meta data is not needed by the private step)."""
+    return x.as_tensor() if hasattr(x, "as_tensor") else torch.as_tensor(x)
+
+
+class _UnitCollate:
+    """Concatenate the samples of the drawn units: ``{"image", "label", "unit"}``.
+
+    Segmentation labels stay ``[N, 1, *S]`` maps; classification labels become class ids
+    ``[N]``.
+    """
+
+    def __init__(
+        self, channels: int, patch: Sequence[int], dense: bool, keys: tuple[str, str]
+    ) -> None:
+        self.channels, self.patch, self.dense = channels, tuple(patch), dense
+        self.image_key, self.label_key = keys
+
+    def __call__(self, units: list[list[dict[str, Any]]]) -> dict[str, Tensor]:
+        images, labels, ids = [], [], []
+        for u, samples in enumerate(units):
+            for s in samples:
+                images.append(_plain(s[self.image_key]))
+                label = _plain(s[self.label_key])
+                labels.append(label if self.dense else label.reshape(()).long())
+                ids.append(u)
+        if not images:  # an empty Poisson batch still takes its noisy step
+            label_shape = (0, 1, *self.patch) if self.dense else (0,)
+            return {
+                "image": torch.zeros(0, self.channels, *self.patch),
+                "label": torch.zeros(label_shape, dtype=torch.int64),
+                "unit": torch.zeros(0, dtype=torch.int64),
+            }
+        return {
+            "image": torch.stack(images).float(),
+            "label": torch.stack(labels),
+            "unit": torch.tensor(ids, dtype=torch.int64),
+        }
+
+
+def network_format(parser: Any) -> dict[str, Any]:
+    """Probe shape, channels and classes from the metadata's ``network_data_format``."""
+    fmt = _meta_format(parser)
+    image = (fmt.get("inputs") or {}).get("image") or {}
+    pred = (fmt.get("outputs") or {}).get("pred") or {}
+    shape = image.get("spatial_shape")
+    out: dict[str, Any] = {
+        "spatial_shape": [int(s) for s in shape] if shape else None,
+        "in_channels": image.get("num_channels"),
+        "num_classes": pred.get("num_channels"),
+    }
+    missing = [k for k, v in out.items() if not v]
+    if missing:
+        raise BundleConfigError(
+            [
+                f"configs/metadata.json network_data_format: {', '.join(missing)} not given "
+                "(inputs.image.spatial_shape / num_channels, outputs.pred.num_channels); the "
+                "probes take them from the metadata, never from the data: add them there or "
+                "pass --override _meta_#network_data_format#inputs#image#spatial_shape=[96,96,96]"
+            ]
+        )
+    out["dense"] = pred.get("type", "image") == "image"
+    channel_def = pred.get("channel_def") or {}
+    names = [channel_def.get(str(i), channel_def.get(i)) for i in range(int(out["num_classes"]))]
+    out["label_names"] = [str(n) for n in names] if all(names) else None
+    return out
+
+
+def _meta_format(parser: Any) -> dict[str, Any]:
+    try:
+        return parser.get("_meta_#network_data_format") or {}
+    except (KeyError, AttributeError):
+        return {}
+
+
+def _per_sample(loss: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    """The bundle's (batch-mean) loss applied to each sample alone: ``[N]``."""
+
+    def per_sample(outputs: Tensor, targets: Tensor) -> Tensor:
+        return torch.stack(
+            [loss(outputs[i : i + 1], targets[i : i + 1]) for i in range(len(outputs))]
+        )
+
+    return per_sample
+
+
+def data_digest(data: Any) -> str:
+    """SHA-256 of a data list: paths and scalars by value, arrays by their bytes and shape."""
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=str):
+                h.update(str(k).encode() + b":")
+                feed(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for v in x:
+                feed(v)
+            h.update(b"]")
+        elif isinstance(x, (np.ndarray, Tensor)):
+            a = np.ascontiguousarray(x.detach().cpu().numpy() if isinstance(x, Tensor) else x)
+            h.update(f"array{a.dtype}{a.shape}".encode() + a.tobytes())
+        else:
+            h.update(repr(x).encode() + b",")
+
+    feed(data)
+    return h.hexdigest()
+
+
+def _units(data: Any, unit_key: str | None) -> dict[str, list[Any]]:
+    if not isinstance(data, list) or not data:
+        raise BundleConfigError(
+            ["train#dataset#data: the bundle's training data list is missing or empty; the "
+             "private engine samples its items (set it, or --override dataset_dir=...)"]
+        )  # fmt: skip
+    units: dict[str, list[Any]] = {}
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise BundleConfigError(
+                [f"train#dataset#data: item {i} is a {type(item).__name__}, not a dictionary "
+                 "such as {'image': ..., 'label': ...}; the private engine reads the image and "
+                 "label keys of each item"]
+            )  # fmt: skip
+        if unit_key is not None and unit_key not in item:
+            raise BundleConfigError(
+                [f"--unit-key {unit_key!r}: item {i} of train#dataset#data has no such key; "
+                 "give every item the unit (patient) id, or drop --unit-key"]
+            )  # fmt: skip
+        uid = str(item[unit_key]) if unit_key is not None else f"item{i:06d}"
+        units.setdefault(uid, []).append(item)
+    return units
+
+
+def bundle_task(
+    parser: Any, bundle: Path, unit_key: str | None, seed: int | None, fmt: dict[str, Any]
+) -> Any:
+    """The private-engine :class:`~dpkfc_med.training.tasks.Task` of a bundle's components.
+
+    Args:
+        parser: The bundle's train config (``load_bundle``).
+        bundle: The bundle folder (recorded as the data path, custodian only).
+        unit_key: Data-list key of the unit id; ``None``: one item is one unit.
+        seed: The run seed keying each unit's random transforms (``None``: OS entropy).
+        fmt: :func:`network_format` of the metadata.
+    """
+    from dpkfc_med.training.tasks import Task
+
+    data = config_value(parser, "train#dataset#data")
+    units = _units(data, unit_key)
+    transform = config_value(parser, "train#preprocessing")
+    loss = config_value(parser, "loss")
+    if loss is None:
+        raise BundleConfigError(["loss: the bundle defines no loss"])
+    patch = fmt["spatial_shape"]
+    channels, classes, dense = int(fmt["in_channels"]), int(fmt["num_classes"]), fmt["dense"]
+    has_evaluator = has_id(parser, "validate#evaluator")
+    sizes = {
+        split: len(config_value(parser, key, []) or [])
+        for split, key in SPLIT_DATA.items()
+        if has_id(parser, key)
+    }
+
+    class _Task(Task):
+        def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+            if self.kind == "segmentation" and targets.ndim == outputs.ndim - 1:
+                targets = targets.unsqueeze(1)  # class-id maps of probes: MONAI's [N, 1, *S]
+            return _per_sample(loss)(outputs, targets)
+
+        def probe_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+            if self.kind == "classification":
+                return F.cross_entropy(outputs, targets, reduction="none")
+            return F.cross_entropy(outputs, targets, reduction="none").flatten(1).mean(1)
+
+        def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+            return batch["image"], batch["label"], batch["unit"]
+
+        def evaluate(self, model: nn.Module, split: str, device: torch.device, batch_size: int,
+                     *, full: bool = False) -> dict[str, Any]:  # fmt: skip
+            if split not in sizes or not has_evaluator:
+                return {}
+            return {**run_evaluator(parser, model, split), "n": sizes[split]}
+
+    return _Task(
+        kind="segmentation" if dense and len(patch) > 0 and classes > 1 else "classification",
+        spatial_dims=len(patch),
+        in_channels=channels,
+        num_classes=classes,
+        spatial_shape=tuple(patch),
+        label_names=fmt.get("label_names"),
+        train_set=_UnitItems(units, transform, seed),
+        data_record={
+            "path": str(bundle),
+            "format": "MONAI bundle (train#dataset data list)",
+            "sha256": {"train#dataset#data": data_digest(data)},
+            # units, not items: with --unit-key the item count (e.g. scans per patient) is
+            # a private statistic the shareable report must not carry
+            "splits": {"train": len(units), **sizes},
+            "unit_key": unit_key,
+        },
+        selection_metric=_key_metric(parser),
+        privacy_unit=f"item of train#dataset ({unit_key} group)"
+        if unit_key
+        else "item of train#dataset",
+        max_samples_per_unit=1,
+        max_samples_public=False,
+        intensity="zscore",
+        extra={
+            "collate": _UnitCollate(channels, patch, dense, ("image", "label")),
+            "splits": sizes,
+        },
+    )
+
+
+def _key_metric(parser: Any) -> str:
+    if has_id(parser, "validate#key_metric"):
+        km = parser["validate#key_metric"]
+        if isinstance(km, dict) and km:
+            return str(next(iter(km)))
+    return "val_mean_dice"
+
+
+def run_evaluator(parser: Any, model: nn.Module, split: str = "val") -> dict[str, float]:
+    """Run the bundle's ``validate#evaluator`` on ``model`` and ``split``'s data list.
+
+    Custodian-only statistics: un-noised figures of private data.
+    """
+    parser["network"] = model  # validate#handlers were filtered by the bundle's preparation
+    key = SPLIT_DATA["val"]
+    original = parser[key]
+    if split != "val":
+        parser[key] = f"$@{SPLIT_DATA[split]}"
+    try:
+        evaluator = parser.get_parsed_content("validate#evaluator", lazy=False)
+    finally:
+        parser[key] = original
+    evaluator.network = model
+    was = model.training
+    try:
+        evaluator.run()
+    finally:
+        model.train(was)
+    metrics = {k: float(v) for k, v in evaluator.state.metrics.items() if _is_number(v)}
+    if split == "val":
+        return metrics
+    # the bundle names its metrics for validation (val_mean_dice): name them for the split
+    return {f"{split}_{k.removeprefix('val_')}": v for k, v in metrics.items()}
+
+
+def _is_number(v: Any) -> bool:
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return True
