@@ -16,6 +16,10 @@ STUDIES: dict[str, tuple[str, str]] = {
     "federated": ("benchmarks.federated", "hippocampus over Flower sites, each site private"),
     "audit": ("benchmarks.audit", "one-run empirical lower bound on epsilon"),
     "tuning": ("benchmarks.tuning", "accounted tuning against unaccounted and no tuning"),
+    "public-init": (
+        "benchmarks.public_init",
+        "public weights under shift: public-only, private-only, public init + fine-tuning",
+    ),
     "cost": ("benchmarks.cost", "step time, peak memory and refresh share against Opacus"),
     "engine-overhead": (
         "benchmarks.engine_overhead",

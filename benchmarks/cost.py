@@ -83,6 +83,7 @@ import torch
 from benchmarks import harness
 from benchmarks.cost_cases import (
     CASES,
+    DEFAULT_MODELS,
     LR,
     MAX_GRAD_NORM,
     METHODS,
@@ -418,7 +419,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Step time and peak memory of nonprivate / opacus / dp-sgd / dp-kfc.",
     )
     p.add_argument("--quick", action="store_true", help="small inputs and batches, few steps")
-    p.add_argument("--models", default=",".join(CASES), help="comma list of " + ", ".join(CASES))
+    p.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help="comma list of " + ", ".join(CASES) + " (default: all but the BraTS-size cases)",
+    )
     p.add_argument(
         "--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS)
     )

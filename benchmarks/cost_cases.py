@@ -134,6 +134,29 @@ CASES: dict[str, Case] = {
             "up to 3457 wide), so the refresh is built from 2 probes and the default refresh "
             "time is extrapolated",
         ),
+        *(
+            Case(
+                key=f"unet_3d_brats{size}",
+                registry_name="unet",
+                task="segmentation",
+                spatial_dims=3,
+                in_channels=4,
+                num_classes=4,
+                description=f"MONAI UNet 3D (channels 16-128, 2 residual units, instance norm, "
+                f"PReLU) on BraTS-size inputs: {size}^3 patches of 4-channel volumes (T1, T1ce, "
+                "T2, FLAIR; synthetic), 4 classes",
+                epoch_samples=484,
+                epoch_data="MSD Task01 BrainTumour training volumes (484, 240x240x155, "
+                "4 channels; synthetic data of that size here)",
+                full=Setting((size, size, size), 2),
+                quick=Setting((size // 4,) * 3, 1, _QUICK_KFC | {"num_probes": 2}, _QUICK_WHY),
+                cpu_full_kfc={"num_probes": 1},
+                cpu_full_why=f"CPU full mode: one {size}^3 probe takes minutes of refresh on the "
+                "CPU, so the refresh is built from 1 probe and the default refresh time is "
+                "extrapolated",
+            )
+            for size in (96, 128)
+        ),
         Case(
             key="vit_2d",
             registry_name="vit",
@@ -180,6 +203,10 @@ CASES: dict[str, Case] = {
         ),
     )
 }
+
+
+DEFAULT_MODELS = [k for k in CASES if "brats" not in k]
+"""The models of a default run; the BraTS-size cases are run on their own (minutes a step)."""
 
 
 def fallback_build(case: Case) -> nn.Module:

@@ -1,0 +1,292 @@
+"""Public weights under shift: public-only, private-only, and public init + private fine-tuning.
+
+The bundled MSD hippocampus cases are split once, by a keyed hash of each case id, into a
+"public release" (a third: 75 of the 220 cases) and the private set (the other 145, with its own
+train / val / test split). The public release is then shifted the way a real public dataset differs from a
+hospital's task:
+
+* ``labels``: anterior and posterior merged into one "hippocampus" class (a coarser public
+  annotation; the private task has both);
+* ``contrast``: every public image's contrast inverted inside the head (x -> max + min - x on
+  nonzero voxels; the background stays 0);
+* ``both``: the two together.
+
+For each shift: the public-only model (non-private training on the shifted public cases,
+evaluated as a 3-class predictor on the private test cases), and that model fine-tuned privately
+on the private training cases with DP-SGD and DP-KFC (every layer; an output layer whose class
+count differs is re-initialised). The private-only arm is the shipped recipe on the private
+cases (data-free pretraining, no public weights). Every private arm uses the shipped run config
+of its epsilon (``configs/hippocampus_unet_3d_eps{1,3,8}.yaml``) with only the method, the
+data folder and the initial weights changed, and releases its last epoch; test Dice is on the
+private test cases (no one tuned on them)::
+
+    python -m benchmarks public-init --eps 1,8 --seeds 1
+
+The shifted folders are written under ``$DPKFC_BENCH_RUNS/public_init/data`` (symbolic links to
+the bundled files where nothing changes); rows are appended to
+``benchmarks/results/public_init_hippocampus.json`` as each run finishes (resumable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.harness import (
+    RESULTS,
+    ROOT,
+    environment,
+    floats,
+    fmt_mean_std,
+    git_commit,
+    ints,
+    load_results,
+    record,
+    runs_dir,
+    save_results,
+    table,
+)
+
+SHIFTS = ("labels", "contrast", "both")
+METHODS = ("dp-sgd", "dp-kfc")
+PUBLIC_FRACTION = 70 / 220
+PARTITION_KEY = b"dpkfc-med public-release benchmark"
+OUT = RESULTS / "public_init_hippocampus.json"
+
+
+def is_public(case_id: str) -> bool:
+    """Whether a case belongs to the public release (a keyed hash of its id only)."""
+    digest = hashlib.blake2b(case_id.encode(), key=PARTITION_KEY, digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < PUBLIC_FRACTION
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not dst.exists():
+        os.symlink(src, dst)
+
+
+def _write_like(src: Path, dst: Path, array: np.ndarray) -> None:
+    import nibabel as nib
+
+    img = nib.load(str(src))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    out = nib.Nifti1Image(array.astype(img.get_data_dtype()), img.affine, img.header)
+    nib.save(out, str(dst))
+
+
+def prepare(root: Path) -> dict[str, Path]:
+    """The private folder and one public folder per shift (written once, then reused)."""
+    import nibabel as nib
+
+    from dpkfc_med.data import load_segmentation_folder, resolve_data_path
+
+    cases = load_segmentation_folder(resolve_data_path("msd_hippocampus", kind="dir"))
+    folders = {"private": root / "private", **{s: root / f"public_{s}" for s in SHIFTS}}
+    done = root / "prepared"
+    if done.is_file():
+        return folders
+    shutil.rmtree(root, ignore_errors=True)
+    for c in cases:
+        image, label = Path(c.image_path), Path(c.label_path)
+        if not is_public(c.case_id):
+            _link(image, folders["private"] / "imagesTr" / image.name)
+            _link(label, folders["private"] / "labelsTr" / label.name)
+            continue
+        for shift in SHIFTS:
+            out = folders[shift]
+            if shift in ("labels", "both"):
+                y = np.asarray(nib.load(str(label)).dataobj)
+                _write_like(label, out / "labelsTr" / label.name, np.where(y == 2, 1, y))
+            else:
+                _link(label, out / "labelsTr" / label.name)
+            if shift in ("contrast", "both"):
+                x = np.asarray(nib.load(str(image)).dataobj).astype(np.float32)
+                inside = x > 0
+                lo, hi = float(x[inside].min()), float(x[inside].max())
+                _write_like(image, out / "imagesTr" / image.name, np.where(inside, hi + lo - x, 0))
+            else:
+                _link(image, out / "imagesTr" / image.name)
+    done.write_text("ok\n")
+    return folders
+
+
+def _config(eps: float) -> Path:
+    return ROOT / "configs" / f"hippocampus_unet_3d_eps{eps:g}.yaml"
+
+
+def _common(seed: int, threads: int, epochs: int | None) -> list[str]:
+    out = [f"training.seed={seed}", "training.select_epoch=last", f"training.threads={threads}",
+           "training.progress=false"]  # fmt: skip
+    return out + ([f"training.epochs={epochs}"] if epochs else [])
+
+
+def _train(config: Path, overrides: list[str], work: Path) -> Any:
+    from dpkfc_med.training.config import load_config
+    from dpkfc_med.training.run import train
+
+    shutil.rmtree(work, ignore_errors=True)  # an interrupted run starts again
+    cfg = load_config(config, [*overrides, f"output.dir={work}"])
+    train(cfg)
+    return cfg
+
+
+def _test_dice(private_cfg: Any, run_dir: Path) -> dict[str, float]:
+    """Test Dice on the private test cases of the network saved in ``run_dir``."""
+    import yaml
+
+    from dpkfc_med.training.config import config_from_dict
+    from dpkfc_med.training.setup import build_run_model
+    from dpkfc_med.training.task_build import build_task
+
+    own = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    model, _ = build_run_model(own, build_task(own, public_probes=False), finetune=False)
+    saved = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(saved["model"])
+    task = build_task(private_cfg, public_probes=False)
+    m = task.evaluate(model, "test", torch.device("cpu"), private_cfg.training.eval_batch_size)
+    return {"test_mean_dice": float(m["mean_dice"]),
+            **{f"test_dice_{k}": float(v) for k, v in m["dice_per_class"].items()}}  # fmt: skip
+
+
+def _skip_keys(public_pt: Path, private_cfg: Any) -> list[str]:
+    """State-dict keys of the public model whose shapes differ from the private network's."""
+    from dpkfc_med.training.setup import build_run_model
+    from dpkfc_med.training.task_build import build_task
+
+    model, _ = build_run_model(private_cfg, build_task(private_cfg, public_probes=False),
+                               finetune=False)  # fmt: skip
+    mine = model.state_dict()
+    theirs = torch.load(public_pt, map_location="cpu", weights_only=False)["model"]
+    return [k for k, v in theirs.items() if k in mine and mine[k].shape != v.shape]
+
+
+def run_job(
+    job: dict[str, Any], folders: dict[str, Path], work: Path, threads: int, epochs: int | None
+) -> dict[str, Any]:
+    """One row: ``public`` (non-private on a shifted public folder), ``private`` or ``finetune``."""
+    from dpkfc_med.training.config import load_config
+
+    arm, shift, eps, seed = job["arm"], job.get("shift"), job.get("eps"), job["seed"]
+    base = _common(seed, threads, epochs)
+    private = [f"data.path={folders['private']}", *base]
+    private_cfg = load_config(_config(8.0), private)
+    public_dir = work / f"public_{shift}_s{seed}"
+    needs_public = arm == "finetune" and not (public_dir / "model.pt").is_file()
+    if arm == "public" or needs_public:  # the public model (again, if its folder is gone)
+        classes = 2 if shift in ("labels", "both") else 3
+        _train(_config(8.0), [f"data.path={folders[shift]}", f"data.num_classes={classes}",
+                              "method=nonprivate", *base], public_dir)  # fmt: skip
+        if arm == "public":
+            return _test_dice(private_cfg, public_dir)
+    run = work / f"{arm}_{shift}_{job['method']}_eps{eps:g}_s{seed}"
+    overrides = [*private, f"method={job['method']}"]
+    if arm == "finetune":
+        pt = public_dir / "model.pt"
+        skip = [f"^{re.escape(k)}$" for k in _skip_keys(pt, private_cfg)]
+        overrides += [f"model.pretrained={pt}", "pretrain.steps=0",
+                      f"model.pretrained_source=public release, shift {shift}",
+                      f"model.pretrained_skip={skip}"]  # fmt: skip
+    cfg = _train(_config(eps), overrides, run)
+    out = _test_dice(cfg, run)
+    shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+def jobs(eps_list: list[float], seeds: list[int]) -> list[dict[str, Any]]:
+    """Every run, most informative first: epsilon by epsilon, the public models first."""
+    out: list[dict[str, Any]] = []
+    for seed in seeds:
+        out += [{"arm": "public", "shift": s, "seed": seed} for s in SHIFTS]
+    for eps in eps_list:
+        for seed in seeds:
+            for shift in ("both", "labels", "contrast"):
+                out += [{"arm": "finetune", "shift": shift, "method": m, "eps": eps, "seed": seed}
+                        for m in METHODS]  # fmt: skip
+            out.append({"arm": "private", "shift": None, "method": "dp-kfc", "eps": eps,
+                        "seed": seed})  # fmt: skip
+    return out
+
+
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row.get(k) for k in ("arm", "shift", "method", "eps", "seed"))
+
+
+def summarize(data: dict[str, Any]) -> str:
+    """The Markdown page of the results."""
+    rows = data["runs"]
+    lines = [
+        "# Public weights under shift: MSD hippocampus, MONAI 3D UNet",
+        "",
+        f"Generated by `python -m benchmarks public-init` (git {str(data.get('git_commit'))[:7]})."
+        " Protocol in the module docstring of `benchmarks/public_init.py`: 75 of the 220 cases"
+        " (a keyed hash of the case id) are the public release, shifted; the other 145 are the"
+        " private set. Test Dice (mean over anterior and posterior) on the private test cases,"
+        " mean +- sd over seeds; every private run releases its last epoch.",
+        "",
+    ]
+
+    def cell(sel: dict[str, Any]) -> str:
+        vals = [r["test_mean_dice"] for r in rows if all(r.get(k) == v for k, v in sel.items())]
+        return f"{fmt_mean_std(vals)} (n={len(vals)})" if vals else "not run"
+
+    lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]],
+                   [["public-only (non-private, public cases)",
+                     *[cell({"arm": "public", "shift": s}) for s in SHIFTS]]])  # fmt: skip
+    for eps in sorted({r["eps"] for r in rows if r.get("eps") is not None}):
+        lines += ["", f"## Epsilon {eps:g}", ""]
+        body = [[f"public init + {m} fine-tuning",
+                 *[cell({"arm": "finetune", "shift": s, "method": m, "eps": eps}) for s in SHIFTS]]
+                for m in METHODS]  # fmt: skip
+        private = cell({"arm": "private", "eps": eps})
+        body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
+        lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
+    if data.get("reading"):
+        lines += ["", "## Reading", "", data["reading"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--eps", default="1,8")
+    p.add_argument("--seeds", default="1")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=None, help="every arm alike (default: config)")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--summarize", action="store_true", help="only rewrite the Markdown")
+    args = p.parse_args(argv)
+    data = load_results(args.out)
+    if args.summarize:
+        args.out.with_suffix(".md").write_text(summarize(data))
+        return 0
+    torch.set_num_threads(args.threads)
+    data.setdefault("environment", environment())
+    data["git_commit"] = git_commit()
+    work = runs_dir("public_init")
+    folders = prepare(work / "data")
+    done = {_key(r) for r in data["runs"]}
+    save_results(args.out, data)
+    for job in jobs(floats(args.eps), ints(args.seeds)):
+        if _key(job) in done:
+            continue
+        t0 = time.perf_counter()
+        row = {**job, **run_job(job, folders, work, args.threads, args.epochs)}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        record(args.out, data, row)
+        args.out.with_suffix(".md").write_text(summarize(data))
+        print(f"{_key(job)}: test Dice {row['test_mean_dice']:.3f} ({row['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""The public-weights benchmark's data: a disjoint public release, shifted as documented."""
+
+from __future__ import annotations
+
+import nibabel as nib
+import numpy as np
+
+from benchmarks.public_init import SHIFTS, is_public, prepare
+from dpkfc_med.data import load_segmentation_folder, resolve_data_path
+
+
+def _array(path) -> np.ndarray:
+    return np.asarray(nib.load(str(path)).dataobj).astype(np.float64)
+
+
+def test_public_release_is_disjoint_and_shifted_as_documented(tmp_path):
+    source = load_segmentation_folder(resolve_data_path("msd_hippocampus", kind="dir"))
+    folders = prepare(tmp_path)
+    private = load_segmentation_folder(folders["private"])
+    public = {s: load_segmentation_folder(folders[s]) for s in SHIFTS}
+    # every case in exactly one side; the side depends on the case id alone
+    assert set(private.case_ids).isdisjoint(public["both"].case_ids)
+    assert len(private) + len(public["both"]) == len(source)
+    assert all(is_public(c) for c in public["both"].case_ids)
+    assert not any(is_public(c) for c in private.case_ids)
+    assert 0.25 < len(public["both"]) / len(source) < 0.42
+    case = public["both"].case_ids[0]
+    original = source[case]
+    x, y = _array(original.image_path), _array(original.label_path)
+    for shift in SHIFTS:
+        c = public[shift][case]
+        got_y, got_x = _array(c.label_path), _array(c.image_path)
+        merged = shift in ("labels", "both")
+        np.testing.assert_array_equal(got_y, np.where(y == 2, 1, y) if merged else y)
+        inside = x > 0
+        inverted = np.where(inside, x[inside].max() + x[inside].min() - x, 0)
+        want = inverted if shift in ("contrast", "both") else x
+        np.testing.assert_allclose(got_x, want, rtol=1e-5, atol=1e-3)
