@@ -189,7 +189,8 @@ def run_job(
         if arm == "public":
             return _test_dice(private_cfg, public_dir)
     run = work / f"{arm}_{shift}_{job['method']}_eps{eps:g}_s{seed}"
-    overrides = [*private, f"method={job['method']}"]
+    # the private-only arm keeps its config's own method (the shipped recipe: DP-SGD at 1)
+    overrides = [*private, *([f"method={job['method']}"] if arm == "finetune" else [])]
     if arm == "finetune":
         pt = public_dir / "model.pt"
         skip = [f"^{re.escape(k)}$" for k in _skip_keys(pt, private_cfg)]
@@ -212,7 +213,7 @@ def jobs(eps_list: list[float], seeds: list[int]) -> list[dict[str, Any]]:
             for shift in ("both", "labels", "contrast"):
                 out += [{"arm": "finetune", "shift": shift, "method": m, "eps": eps, "seed": seed}
                         for m in METHODS]  # fmt: skip
-            out.append({"arm": "private", "shift": None, "method": "dp-kfc", "eps": eps,
+            out.append({"arm": "private", "shift": None, "method": "config", "eps": eps,
                         "seed": seed})  # fmt: skip
     return out
 
@@ -255,6 +256,47 @@ def summarize(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Bars of test Dice per shift: public-only, fine-tuned (DP-SGD, DP-KFC), private-only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["runs"]
+    eps_list = sorted({r["eps"] for r in rows if r.get("eps") is not None})
+    if not eps_list:
+        return
+
+    def mean(sel: dict[str, Any]) -> float:
+        vals = [r["test_mean_dice"] for r in rows if all(r.get(k) == v for k, v in sel.items())]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    arms = [("public-only", {"arm": "public"}, "#999999"),
+            ("public init + DP-SGD", {"arm": "finetune", "method": "dp-sgd"}, "#4c72b0"),
+            ("public init + DP-KFC", {"arm": "finetune", "method": "dp-kfc"}, "#dd8452"),
+            ("private only", {"arm": "private"}, "#55a868")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(eps_list), figsize=(4.2 * len(eps_list), 3.4), sharey=True)
+    axes = np.atleast_1d(axes)
+    width = 0.2
+    for ax, eps in zip(axes, eps_list):
+        for i, (label, sel, color) in enumerate(arms):
+            at = {} if sel["arm"] == "public" else {"eps": eps}
+            values = [mean({**sel, **at, **({} if sel["arm"] == "private" else {"shift": s})})
+                      for s in SHIFTS]  # fmt: skip
+            ax.bar(np.arange(len(SHIFTS)) + (i - 1.5) * width, values, width, label=label,
+                   color=color)  # fmt: skip
+        ax.set_xticks(np.arange(len(SHIFTS)), [f"shift: {s}" for s in SHIFTS])
+        ax.set_title(f"epsilon {eps:g}")
+        ax.set_ylim(0, 1)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("test Dice (private test cases)")
+    axes[-1].legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -268,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_results(args.out)
     if args.summarize:
         args.out.with_suffix(".md").write_text(summarize(data))
+        plot(data, args.out.with_suffix(".png"))
         return 0
     torch.set_num_threads(args.threads)
     data.setdefault("environment", environment())
@@ -284,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         row["seconds"] = round(time.perf_counter() - t0, 1)
         record(args.out, data, row)
         args.out.with_suffix(".md").write_text(summarize(data))
+        plot(data, args.out.with_suffix(".png"))
         print(f"{_key(job)}: test Dice {row['test_mean_dice']:.3f} ({row['seconds']:.0f} s)")
     return 0
 
