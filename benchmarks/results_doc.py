@@ -27,6 +27,8 @@ GROUPS = (
     ("Segmentation", "segmentation_"),
     ("Federated sites", "federated_"),
     ("Empirical privacy audit", "audit_"),
+    ("Public weights under shift", "public_init_"),
+    ("MONAI bundles", "bundle_"),
     ("Accounted tuning", "tuning_"),
     ("Cost", "cost_"),
 )
@@ -43,6 +45,8 @@ DESCRIPTIONS = {
     "segmentation_hippocampus": "MSD hippocampus, MONAI 3D UNet, one patient = one unit, epsilon 8, 3 and 1; per-layer evidence, tuning runs and the lever study.",
     "federated_hippocampus": "MSD hippocampus over 3 Flower sites (every third training case each), DP-KFC at epsilon 8 per site, against the pooled shipped run.",
     "audit_pneumonia_cnn": "One-run empirical lower bound on epsilon (5000 canaries) for the demo config.",
+    "public_init_hippocampus": "MSD hippocampus: a keyed-hash public release (75 of 220 cases) with merged labels, inverted contrast or both; public-only, private-only and public init + DP-SGD / DP-KFC fine-tuning.",
+    "bundle_pipelines": "The Model Zoo bundles of `pipelines/` trained with `dpkfc-med bundle train`, against their run configs.",
     "tuning_adrenal3d": "AdrenalMNIST3D, 3D small CNN, total epsilon 8 and 3: `dpkfc-med tune` against the grid chosen on private validation without noise and against the shipped config untuned, 3 seeds.",
     "tuning_hippocampus": "MSD hippocampus, 3D UNet, total epsilon 8, one seed: the same three arms.",
     "tuning_pneumonia_cnn": "PneumoniaMNIST, small CNN, total epsilon 8: the first protocol of the tuning study (best-validation epochs, unaccounted arm at the total epsilon).",
@@ -55,6 +59,7 @@ DESCRIPTIONS = {
     "cost_cpu_clipping_densenet_vit": "The clipping modes on the DenseNet121 (a second, shorter run) and the MONAI ViT.",
     "cost_cpu_family_shampoo": "DP-KFC with the Shampoo family (`preconditioner.family: shampoo`) against Opacus' two modes, on the three cost models.",
     "cost_cpu_family_diagonal": "DP-KFC with the diagonal family (`preconditioner.family: diagonal`) against Opacus' two modes, on the three cost models.",
+    "cost_cpu_brats": "MONAI UNet 3D on BraTS-size inputs (4 channels, 4 classes, 96^3 and 128^3 patches, batch 2, one CPU thread): step time and peak memory against Opacus.",
     "cost_cpu_quick": "The quick mode (small batches and inputs) used as a smoke test.",
 }
 

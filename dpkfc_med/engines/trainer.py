@@ -130,6 +130,11 @@ class PrivateTrainer(SupervisedTrainer):
         decollate: Split ``engine.state.output`` into per-sample dictionaries after each step,
             as MONAI's trainers do by default (a bundle's handlers expect it); the step's mean
             loss and sample count are always in ``engine.state.step_loss`` / ``step_samples``.
+        max_physical_batch: The most privacy units one forward/backward pass holds (``None``:
+            the whole Poisson batch). A larger batch runs in chunks of whole units: each chunk's
+            transformed, per-unit clipped gradients are added to the step's sum, and the noise
+            and the update follow the last chunk once, so the mechanism is the same and the
+            memory that of one chunk.
         **kwargs: Passed to ``SupervisedTrainer`` (``inferer``, ``key_train_metric``, ...).
     """
 
@@ -148,6 +153,7 @@ class PrivateTrainer(SupervisedTrainer):
         epoch_length: int | None = None,
         train_handlers: Sequence[Any] | None = None,
         decollate: bool = False,
+        max_physical_batch: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -168,6 +174,9 @@ class PrivateTrainer(SupervisedTrainer):
         self.privacy_engine = privacy_engine
         self.unpack = unpack or _tuple_unpack
         self.precision = precision
+        if max_physical_batch is not None and max_physical_batch < 1:
+            raise ValueError(f"max_physical_batch={max_physical_batch} must be >= 1 or None")
+        self.max_physical_batch = max_physical_batch
         self.nonprivate_steps = 0  # steps of a non-private run (the private ones: the ledger)
         self.state.stop_error = None
         self.state.step_loss = float("nan")  # the last step's mean per-sample loss
@@ -201,19 +210,29 @@ class PrivateTrainer(SupervisedTrainer):
             if self.private:
                 noise_only_step(self.optimizer)
         else:
+            chunks = self._unit_chunks(units, len(x), device)
+            if len(chunks) > 1:
+                self._accumulate_chunks(x, y, units, chunks[:-1], output)
+                last = chunks[-1]
+                x_last, y_last = x[last], y[last]
+                units_last = units[last] if units is not None else None
+            else:
+                x_last, y_last, units_last = x, y, units
             with forward_autocast(self.precision, device):
-                output[Keys.PRED] = self.inferer(x, self.network)
+                pred = self.inferer(x_last, self.network)
+            output[Keys.PRED] = pred if len(chunks) == 1 else self._in_order(chunks, pred, output)
             self.fire_event(IterationEvents.FORWARD_COMPLETED)
-            per_sample = self.loss_function(float32_output(output[Keys.PRED]), y)
-            output[Keys.LOSS] = per_sample.detach().mean()
+            per_sample = self.loss_function(float32_output(pred), y_last)
+            losses = [*output.pop("_chunk_losses", []), per_sample.detach()]
+            output[Keys.LOSS] = torch.cat([loss.reshape(-1) for loss in losses]).mean()
             self.fire_event(IterationEvents.LOSS_COMPLETED)
             # private: the sum, so each sample's error is its own loss gradient (the optimizer
             # averages the noised sum over the expected batch: backward_reduction="sum"); a
             # batch mean would round (1/B) g under bf16 and make the step depend on B
             (per_sample.sum() if self.private else per_sample.mean()).backward()
             self.fire_event(IterationEvents.BACKWARD_COMPLETED)
-            if units is not None and self.private:
-                self.optimizer.set_unit_ids(units.to(device))  # type: ignore[attr-defined]
+            if units_last is not None and self.private:
+                self.optimizer.set_unit_ids(units_last.to(device))  # type: ignore[attr-defined]
             self.optimizer.step()
         if not self.private:
             self.nonprivate_steps += 1
@@ -222,6 +241,51 @@ class PrivateTrainer(SupervisedTrainer):
         if ran:
             self.fire_event(IterationEvents.MODEL_COMPLETED)
         return output
+
+    def _unit_chunks(self, units: Tensor | None, n: int, device: Any) -> list[Tensor]:
+        """Row indices of each chunk of at most ``max_physical_batch`` whole units."""
+        limit = self.max_physical_batch
+        if not self.private or limit is None:
+            return [torch.arange(n)]
+        ids = units.cpu() if units is not None else torch.arange(n)
+        distinct = torch.unique(ids)
+        if len(distinct) <= limit:
+            return [torch.arange(n)]
+        return [torch.isin(ids, group).nonzero().squeeze(1) for group in distinct.split(limit)]
+
+    def _accumulate_chunks(
+        self, x: Tensor, y: Tensor, units: Tensor | None, chunks: list[Tensor],
+        output: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """Add each chunk's transformed, per-unit clipped gradients to the step's sum.
+
+        Opacus' skip signal makes the optimizer clip and accumulate without noise or update;
+        ``zero_grad`` after a skipped step keeps the accumulated sum (``summed_grad``).
+        """
+        device = x.device
+        preds, losses = [], []
+        for rows in chunks:
+            with forward_autocast(self.precision, device):
+                pred = self.inferer(x[rows], self.network)
+            per_sample = self.loss_function(float32_output(pred), y[rows])
+            per_sample.sum().backward()
+            if units is not None:
+                self.optimizer.set_unit_ids(units[rows].to(device))  # type: ignore[attr-defined]
+            self.optimizer.signal_skip_step(do_skip=True)  # type: ignore[attr-defined]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            preds.append(pred.detach())
+            losses.append(per_sample.detach())
+        output["_chunk_preds"], output["_chunk_losses"] = preds, losses
+
+    @staticmethod
+    def _in_order(chunks: list[Tensor], last: Tensor, output: dict[str, Any]) -> Tensor:
+        """The chunks' predictions, detached, in the batch's row order."""
+        preds = [*output.pop("_chunk_preds"), last.detach()]
+        rows = torch.cat(chunks).to(last.device)
+        full = torch.empty((len(rows), *last.shape[1:]), dtype=last.dtype, device=last.device)
+        full[rows] = torch.cat(preds)
+        return full
 
     def run(self) -> None:  # type: ignore[override]
         """Train; on an interrupt or error fire :attr:`PrivacyEvents.RUN_STOPPED`, then raise."""

@@ -240,6 +240,10 @@ class TrainingConfig:
             validation metric (a choice made on private data without noise, which the report
             lists as not covered); ``last``: release the last epoch's weights (post-processing;
             ``dpkfc-med tune`` uses it and accounts for its own selection).
+        max_physical_batch: the most privacy units in one forward/backward pass (``null``:
+            the whole Poisson batch). A larger batch runs in chunks of whole units whose
+            clipped gradients are summed before the one noise draw and update: the same
+            mechanism and privacy plan, the memory of one chunk (large volumes, small GPUs).
         precision: ``float32``, or ``bf16``: the training forward and backward passes under
             bfloat16 autocast (faster on GPUs), with per-sample gradients, norms, clipping and
             noise in float32 (:mod:`dpkfc_med.training.precision`). Refreshes, pretraining
@@ -275,6 +279,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
     seed: int = 0
     eval_batch_size: int = 256
+    max_physical_batch: int | None = None
     device: str = "cpu"
     precision: str = "float32"
     threads: int | None = None

@@ -51,6 +51,7 @@ POSITIVE = {
     "training.lr",
     "training.adambc_gamma",
     "training.eval_batch_size",
+    "training.max_physical_batch",
     "training.eval_every",
     "probes.num_probes",
     "data.patches_per_unit",

@@ -300,6 +300,7 @@ def _build_trainer(
         epoch_length=steps_per_epoch,
         train_handlers=handlers,
         decollate=decollate,
+        max_physical_batch=cfg.training.max_physical_batch,
     )
     if opening.kind == "checkpoint":
         checkpointer.restore(trainer, opening.previous, ledger_path)
