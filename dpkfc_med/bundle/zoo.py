@@ -398,8 +398,7 @@ def evaluate_bundle_run(
     import torch
 
     from dpkfc_med.bundle.zoo_task import SPLIT_DATA, data_digest
-    from dpkfc_med.report.custodian import PRIVATE_DIR
-    from dpkfc_med.training.evaluate import EVALUATIONS_DIR, PRIVACY_NOTE
+    from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
     from dpkfc_med.utils import write_json
 
     run = Path(run_dir)
@@ -439,7 +438,7 @@ def evaluate_bundle_run(
             "checked": True, "unit": "items", "evaluated": len(items), "shared": shared,
             "method": "SHA-256 of each data-list item against train#dataset#data",
         },
-        "privacy_note": PRIVACY_NOTE,
+        "privacy_note": EVALUATION_NOTE,
         **metrics,
     }  # fmt: skip
     write_json(run / EVALUATIONS_DIR / f"bundle_{split}.json", out)

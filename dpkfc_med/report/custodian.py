@@ -29,6 +29,8 @@ __all__ = [
     "CUSTODIAN_FILES",
     "CUSTODIAN_ONLY",
     "CUSTODIAN_SCHEMA",
+    "EVALUATIONS_DIR",
+    "EVALUATION_NOTE",
     "PRIVATE_DIR",
     "not_covered",
     "not_covered_summary",
@@ -40,6 +42,16 @@ PRIVATE_DIR = "private_not_for_release"
 """Folder of a run directory that holds everything derived from private records without noise."""
 
 CUSTODIAN_SCHEMA = "dpkfc_med.custodian_report/1"
+
+EVALUATIONS_DIR = f"{PRIVATE_DIR}/evaluations"
+"""Where ``dpkfc-med evaluate`` writes its results, relative to the run directory."""
+
+EVALUATION_NOTE = (
+    "computed from the evaluated data, which the run's privacy guarantee does not protect (it "
+    "covers the released model only); for the data custodian: release these figures only if "
+    "the evaluated data may be released"
+)
+"""The privacy note every evaluation result carries."""
 
 CUSTODIAN_FILES: dict[str, str] = {
     "json": f"{PRIVATE_DIR}/custodian_report.json",

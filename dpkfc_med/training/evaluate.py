@@ -32,7 +32,7 @@ from dpkfc_med.data import (
     sha256_file,
 )
 from dpkfc_med.data.fingerprint import count_shared, image_digests
-from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
 from dpkfc_med.training.setup import build_run_model
 from dpkfc_med.training.task_build import build_task
@@ -42,16 +42,6 @@ from dpkfc_med.utils import write_json
 __all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run"]
 
 log = logging.getLogger("dpkfc_med")
-
-EVALUATIONS_DIR = f"{PRIVATE_DIR}/evaluations"
-"""Where evaluation results go, relative to the run directory (custodian part)."""
-
-PRIVACY_NOTE = (
-    "computed from the evaluated data, which the run's privacy guarantee does not protect (it "
-    "covers the released model only); for the data custodian: release these figures only if "
-    "the evaluated data may be released"
-)
-
 
 class TrainingDataEvaluationWarning(UserWarning):
     """The evaluated data overlaps the run's private training split."""
@@ -153,7 +143,7 @@ def evaluate_run(
         "not_dp": warning is not None,
         **({"warning": warning} if warning else {}),
         "overlap_with_training": overlap,
-        "privacy_note": PRIVACY_NOTE,
+        "privacy_note": EVALUATION_NOTE,
         **metrics,
     }
     stem = Path(task.data_record["path"]).stem
