@@ -13,6 +13,42 @@ from dpkfc_med.training.run import train
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
+def _brats_like(root: Path) -> list[str]:
+    """MSD Task01's layout at toy size: 4-D NIfTI images of 4 channels, labels 0-3."""
+    import json
+
+    import nibabel as nib
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    training = []
+    for i in range(10):
+        image = rng.random((12, 12, 10, 4)).astype(np.float32)
+        label = rng.integers(0, 4, (12, 12, 10)).astype(np.uint8)
+        for sub, array in (("imagesTr", image), ("labelsTr", label)):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+            nib.save(nib.Nifti1Image(array, np.eye(4)), str(root / sub / f"BRATS_{i:03d}.nii.gz"))
+        training.append({"image": f"./imagesTr/BRATS_{i:03d}.nii.gz",
+                         "label": f"./labelsTr/BRATS_{i:03d}.nii.gz"})  # fmt: skip
+    labels = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+    modality = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
+    (root / "dataset.json").write_text(
+        json.dumps({"labels": labels, "modality": modality, "training": training})
+    )
+    return [
+        f"data.path={root}",
+        "data.patch_size=[8,8,8]",
+        "training.device=cpu",
+        "model.kwargs.channels=[4,8]",
+        "model.kwargs.strides=[2]",
+        "training.max_physical_batch=1",
+    ]  # fmt: skip  (chunks of one patient)
+
+
+# configs whose data is not bundled train on a synthetic folder of the same layout
+STAND_INS = {"brats_unet_3d_eps8": _brats_like}
+
+
 def test_the_configs_folder_is_found():
     assert len(CONFIGS) >= 8
 
@@ -38,6 +74,8 @@ def test_shipped_config_trains_at_toy_size(path, tmp_path):
     ]
     if "pretrain" in raw:
         toy += ["pretrain.steps=1", "pretrain.batch_size=1"]
+    if path.stem in STAND_INS:
+        toy += STAND_INS[path.stem](tmp_path / "data")
     cfg = load_config(path, overrides=toy)
     # the model, the mechanism and the privacy target are the config's own
     assert cfg.model.name == raw["model"]["name"]
