@@ -93,7 +93,18 @@ def load_bundle(bundle_dir: str | Path, overrides: Sequence[str] = ()) -> Any:
     parser.read_config(str(_train_file(bundle)))
     meta = bundle / METADATA
     if meta.is_file():
-        parser.read_meta(str(meta))
+        import json
+
+        try:
+            content = json.loads(meta.read_text())
+        except ValueError as err:
+            raise BundleConfigError(
+                [f"{meta}: not valid JSON ({err}); fix the file (MONAI's metadata.json)"]
+            ) from None
+        # MONAI's schema requires this key, while its parser calls it deprecated and writes it
+        # over required_packages_version; nothing here reads it
+        content.pop("optional_packages_version", None)
+        parser.read_meta(content)
     parser["bundle_root"] = str(bundle)
     problems = []
     for item in overrides:
