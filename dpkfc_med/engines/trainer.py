@@ -240,7 +240,7 @@ class PrivateTrainer(SupervisedTrainer):
         self.state.step_samples = len(x)
         if ran:
             self.fire_event(IterationEvents.MODEL_COMPLETED)
-        return output
+        return self.state.output  # decollated by MONAI at MODEL_COMPLETED when asked
 
     def _unit_chunks(self, units: Tensor | None, n: int, device: Any) -> list[Tensor]:
         """Row indices of each chunk of at most ``max_physical_batch`` whole units."""
