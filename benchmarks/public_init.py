@@ -297,6 +297,27 @@ def plot(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+RELEASE = ROOT / "runs" / "public_release"
+"""Where ``--prepare-public`` puts the folders and the public model the shipped
+``configs/hippocampus_unet_3d_public_init_eps1.yaml`` reads."""
+
+
+def prepare_public(shift: str, threads: int) -> Path:
+    """The shifted public release's non-private model and the private folder, under
+    :data:`RELEASE` (``private/``, ``public_<shift>/``, ``public_<shift>_model/model.pt``)."""
+    folders = prepare(RELEASE / "data")
+    for name in ("private", shift):
+        link = RELEASE / (name if name == "private" else f"public_{name}")
+        if not link.exists():
+            os.symlink(folders[name], link)
+    model_dir = RELEASE / f"public_{shift}_model"
+    if not (model_dir / "model.pt").is_file():
+        classes = 2 if shift in ("labels", "both") else 3
+        _train(_config(8.0), [f"data.path={folders[shift]}", f"data.num_classes={classes}",
+                              "method=nonprivate", *_common(0, threads, None)], model_dir)  # fmt: skip
+    return model_dir / "model.pt"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -306,7 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=None, help="every arm alike (default: config)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--summarize", action="store_true", help="only rewrite the Markdown")
+    p.add_argument(
+        "--prepare-public",
+        choices=SHIFTS,
+        help="only write runs/public_release/ (the private folder and the shifted public "
+        "release's non-private model) for configs/hippocampus_unet_3d_public_init_eps1.yaml",
+    )
     args = p.parse_args(argv)
+    if args.prepare_public:
+        print(f"public model: {prepare_public(args.prepare_public, args.threads)}")
+        return 0
     data = load_results(args.out)
     if args.summarize:
         args.out.with_suffix(".md").write_text(summarize(data))
