@@ -45,8 +45,25 @@ def _brats_like(root: Path) -> list[str]:
     ]  # fmt: skip  (chunks of one patient)
 
 
-# configs whose data is not bundled train on a synthetic folder of the same layout
-STAND_INS = {"brats_unet_3d_eps8": _brats_like}
+def _public_release_like(root: Path) -> list[str]:
+    """A 2-class "public" network of the config's architecture, and the bundled cases."""
+    import torch
+
+    from dpkfc_med.bundle import build_network
+
+    path = CONFIGS[0].parent / "hippocampus_unet_3d_public_init_eps1.yaml"
+    model = yaml.safe_load(path.read_text())["model"]
+    net = build_network("unet", 3, 1, 2, [32, 48, 32], model["norm"], model["kwargs"])
+    root.mkdir(parents=True)
+    torch.save({"model": net.state_dict()}, root / "public.pt")
+    return ["data.path=msd_hippocampus", f"model.pretrained={root / 'public.pt'}"]
+
+
+# configs whose data is not bundled (or made by a benchmark) train on a stand-in of its layout
+STAND_INS = {
+    "brats_unet_3d_eps8": _brats_like,
+    "hippocampus_unet_3d_public_init_eps1": _public_release_like,
+}
 
 
 def test_the_configs_folder_is_found():
