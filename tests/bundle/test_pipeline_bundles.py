@@ -146,3 +146,26 @@ def test_bad_settings_are_reported_like_the_cli(tmp_path):
             settings=[*SEG_SETTINGS, "training.epochs=-1"],
         )
     assert not (tmp_path / "r").exists()
+
+
+def test_medmnist_datalists_keep_images_as_read_and_refuse_multilabel_files(tmp_path):
+    import numpy as np
+
+    from dpkfc_med.bundle.datalists import medmnist_datalists
+
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for split, n in (("train", 6), ("val", 2), ("test", 3)):
+        arrays[f"{split}_images"] = rng.integers(0, 256, (n, 5, 5), dtype=np.uint8)
+        arrays[f"{split}_labels"] = rng.integers(0, 2, (n, 1))
+    np.savez(tmp_path / "two.npz", **arrays)
+    lists = medmnist_datalists(tmp_path / "two.npz", num_classes=2)
+    assert {k: len(v) for k, v in lists.items()} == {"train": 6, "val": 2, "test": 3}
+    first = lists["test"][0]
+    np.testing.assert_allclose(first["image"][0], arrays["test_images"][0] / 255.0, rtol=1e-6)
+    assert first["label"] == int(arrays["test_labels"][0, 0])
+    for split, n in (("train", 6), ("val", 2), ("test", 3)):
+        arrays[f"{split}_labels"] = rng.integers(0, 2, (n, 3))
+    np.savez(tmp_path / "multi.npz", **arrays)
+    with pytest.raises(ValueError, match="multi-label"):
+        medmnist_datalists(tmp_path / "multi.npz", num_classes=3)
