@@ -350,6 +350,7 @@ def prepare_finetune(model: nn.Module, model_cfg: Any, training_cfg: Any) -> Fin
             model_cfg.pretrained,
             skip=model_cfg.pretrained_skip or (),
             source=model_cfg.pretrained_source,
+            class_map=getattr(model_cfg, "pretrained_class_map", None),
         )
         log.info(
             "model.pretrained: loaded %s (sha256 %s, source: %s)",

@@ -124,6 +124,7 @@ def load_pretrained(
     *,
     skip: Sequence[str] = (),
     source: str | None = None,
+    class_map: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     r"""Copy external weights into ``model`` after checking every key and shape.
 
@@ -137,6 +138,11 @@ def load_pretrained(
         path: See :func:`read_pretrained`.
         skip: Regular expressions of keys to leave at their initialisation.
         source: Where the weights come from, as the user states it (reported as given).
+        class_map: For each output class of ``model``, the class of the file's network it
+            starts from (e.g. ``[0, 1, 1]``: a 3-class head from a 2-class one whose class 1
+            covered both). Every tensor whose shape differs from the file's in one axis only,
+            where the network has ``len(class_map)`` entries, takes the file's entries
+            ``class_map`` along that axis (the output layer's weight and bias).
 
     Returns:
         The provenance record: ``sha256``, ``source``, ``format``, ``reinitialised``,
@@ -164,12 +170,14 @@ def load_pretrained(
     )
     missing = [k for k in mine if k not in state and not skipped(k)]
     unexpected = [k for k in state if k not in mine and not skipped(k) and k not in dropped]
+    problems: list[str] = []
+    mapped = _map_classes(state, mine, class_map, skipped, problems) if class_map else {}
+    state = {**state, **mapped}
     shapes = [
         f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}"
         for k in mine
         if k in state and not skipped(k) and state[k].shape != mine[k].shape
     ]
-    problems = []
     fix = (
         "check model.name / model.kwargs against the network the weights were trained with, "
         "or leave keys at their fresh initialisation with model.pretrained_skip: [regex, ...]"
@@ -207,6 +215,43 @@ def load_pretrained(
         "format": fmt,
         "tensors_loaded": len(mine) - len(reinit),
         "reinitialised": reinit,
+        "class_mapped": sorted(mapped),
+        "class_map": list(class_map) if class_map else None,
         "dropped_keys": dropped,
         "path": str(file),
     }
+
+
+def _map_classes(
+    state: dict[str, Tensor],
+    mine: dict[str, Tensor],
+    class_map: Sequence[int],
+    skipped: Any,
+    problems: list[str],
+) -> dict[str, Tensor]:
+    """The file's output-layer tensors with their class axis taken at ``class_map``."""
+    out: dict[str, Tensor] = {}
+    for k, want in mine.items():
+        have = state.get(k)
+        if have is None or skipped(k) or have.shape == want.shape or have.dim() != want.dim():
+            continue
+        axes = [d for d in range(want.dim()) if have.shape[d] != want.shape[d]]
+        if len(axes) != 1 or want.shape[axes[0]] != len(class_map):
+            continue  # not a class axis: reported as a shape mismatch
+        axis = axes[0]
+        bad = [c for c in class_map if not 0 <= int(c) < have.shape[axis]]
+        if bad:
+            problems.append(
+                f"model.pretrained_class_map: {k} has {have.shape[axis]} classes in the file, "
+                f"so {bad} are not classes of it; give indices in [0, {have.shape[axis]})"
+            )
+            continue
+        index = torch.as_tensor([int(c) for c in class_map], device=have.device)
+        out[k] = have.index_select(axis, index)
+    if not out and not problems:
+        problems.append(
+            f"model.pretrained_class_map {list(class_map)}: no tensor of the file differs from "
+            f"the network's in a class axis of {len(class_map)} entries; drop it, or give one "
+            "entry per output class of the network"
+        )
+    return out

@@ -168,6 +168,10 @@ class ModelConfig:
         pretrained_skip: regular expressions (searched in the dotted state-dict key, e.g.
             ``'^classifier\.3\.'``) of keys that keep their fresh initialisation, and always
             train: re-initialise the output layer when the class count differs.
+        pretrained_class_map: start the output layer from the file's instead: for each class
+            of this task, the class of the pretrained network it starts from (``[0, 1, 1]``:
+            background from background, anterior and posterior both from a merged
+            "hippocampus" class). A config constant; it changes no guarantee.
     """
 
     name: str = "small_cnn"
@@ -176,6 +180,7 @@ class ModelConfig:
     pretrained: str | None = None
     pretrained_source: str | None = None
     pretrained_skip: list[str] = field(default_factory=list)
+    pretrained_class_map: list[int] | None = None
 
 
 @dataclass

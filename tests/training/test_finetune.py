@@ -95,6 +95,24 @@ def test_pretrained_skip_reinitialises_only_the_matched_keys(tmp_path):
     assert _trainable(net) == {"6.weight", "6.bias"}
 
 
+def test_pretrained_class_map_starts_each_class_from_a_public_one(tmp_path):
+    """A 3-class head from a 2-class one: class 0 <- 0, classes 1 and 2 <- the merged 1."""
+    torch.manual_seed(1)
+    public = tiny_cnn_2d(num_classes=2).eval()
+    path = _save({"model": public.state_dict()}, tmp_path / "model.pt")
+    net = tiny_cnn_2d(num_classes=3).eval()
+    record = load_pretrained(net, path, class_map=[0, 1, 1])
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        want, got = public(x), net(x)
+    torch.testing.assert_close(got, want[:, [0, 1, 1]])
+    assert record["class_mapped"] == ["6.bias", "6.weight"] and record["reinitialised"] == []
+    with pytest.raises(PretrainedWeightsError, match=r"\[2\] are not classes of it"):
+        load_pretrained(tiny_cnn_2d(num_classes=3), path, class_map=[0, 1, 2])
+    with pytest.raises(PretrainedWeightsError, match="no tensor of the file differs"):
+        load_pretrained(tiny_cnn_2d(num_classes=2), path, class_map=[0, 1])
+
+
 def test_a_bundle_folder_loads_its_models_model_pt(tmp_path):
     torch.manual_seed(4)
     public = tiny_cnn_2d()
