@@ -13,8 +13,9 @@ hospital's task:
 
 For each shift: the public-only model (non-private training on the shifted public cases,
 evaluated as a 3-class predictor on the private test cases), and that model fine-tuned privately
-on the private training cases with DP-SGD and DP-KFC (every layer; an output layer whose class
-count differs is re-initialised). The private-only arm is the shipped recipe on the private
+on the private training cases with DP-SGD and DP-KFC (every layer; after a label merge, the
+output layer's anterior and posterior both start from the public "hippocampus" class:
+``model.pretrained_class_map: [0, 1, 1]``). The private-only arm is the shipped recipe on the private
 cases (data-free pretraining, no public weights). Every private arm uses the shipped run config
 of its epsilon (``configs/hippocampus_unet_3d_eps{1,3,8}.yaml``) with only the method, the
 data folder and the initial weights changed, and releases its last epoch; test Dice is on the
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -158,18 +158,6 @@ def _test_dice(private_cfg: Any, run_dir: Path) -> dict[str, float]:
             **{f"test_dice_{k}": float(v) for k, v in m["dice_per_class"].items()}}  # fmt: skip
 
 
-def _skip_keys(public_pt: Path, private_cfg: Any) -> list[str]:
-    """State-dict keys of the public model whose shapes differ from the private network's."""
-    from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.task_build import build_task
-
-    model, _ = build_run_model(private_cfg, build_task(private_cfg, public_probes=False),
-                               finetune=False)  # fmt: skip
-    mine = model.state_dict()
-    theirs = torch.load(public_pt, map_location="cpu", weights_only=False)["model"]
-    return [k for k, v in theirs.items() if k in mine and mine[k].shape != v.shape]
-
-
 def run_job(
     job: dict[str, Any], folders: dict[str, Path], work: Path, threads: int, epochs: int | None
 ) -> dict[str, Any]:
@@ -192,11 +180,10 @@ def run_job(
     # the private-only arm keeps its config's own method (the shipped recipe: DP-SGD at 1)
     overrides = [*private, *([f"method={job['method']}"] if arm == "finetune" else [])]
     if arm == "finetune":
-        pt = public_dir / "model.pt"
-        skip = [f"^{re.escape(k)}$" for k in _skip_keys(pt, private_cfg)]
-        overrides += [f"model.pretrained={pt}", "pretrain.steps=0",
-                      f"model.pretrained_source=public release, shift {shift}",
-                      f"model.pretrained_skip={skip}"]  # fmt: skip
+        overrides += [f"model.pretrained={public_dir / 'model.pt'}", "pretrain.steps=0",
+                      f"model.pretrained_source=public release, shift {shift}"]  # fmt: skip
+        if shift in ("labels", "both"):  # anterior and posterior from the merged class
+            overrides.append("model.pretrained_class_map=[0,1,1]")
     cfg = _train(_config(eps), overrides, run)
     out = _test_dice(cfg, run)
     shutil.rmtree(run, ignore_errors=True)
