@@ -43,6 +43,7 @@ __all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run"]
 
 log = logging.getLogger("dpkfc_med")
 
+
 class TrainingDataEvaluationWarning(UserWarning):
     """The evaluated data overlaps the run's private training split."""
 
