@@ -48,7 +48,7 @@ DESCRIPTIONS = {
     "public_init_hippocampus": "MSD hippocampus: a keyed-hash public release (75 of 220 cases) with merged labels, inverted contrast or both; public-only, private-only and public init + DP-SGD / DP-KFC fine-tuning.",
     "bundle_pipelines": "The Model Zoo bundles of `pipelines/` trained with `dpkfc-med bundle train`, against their run configs.",
     "tuning_adrenal3d": "AdrenalMNIST3D, 3D small CNN, total epsilon 8 and 3: `dpkfc-med tune` against the grid chosen on private validation without noise and against the shipped config untuned, 3 seeds.",
-    "tuning_hippocampus": "MSD hippocampus, 3D UNet, total epsilon 8, one seed: the same three arms.",
+    "tuning_hippocampus": "MSD hippocampus, 3D UNet, total epsilon 8 and 3, 3 seeds: the same three arms.",
     "tuning_pneumonia_cnn": "PneumoniaMNIST, small CNN, total epsilon 8: the first protocol of the tuning study (best-validation epochs, unaccounted arm at the total epsilon).",
     "cost_cpu": "Step time, peak memory and refresh share against Opacus on 2 CPU cores, default settings.",
     "cost_cpu_conv_a_kron": "The same with the structured convolution factor (`preconditioner.conv_a: kron`).",
