@@ -109,6 +109,15 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def _in_order(chunks: list[Tensor], preds: list[Tensor]) -> Tensor:
+    """The chunks' predictions ``preds[i]`` (rows ``chunks[i]``) in the batch's row order."""
+    first = preds[0]
+    rows = torch.cat(chunks).to(first.device)
+    full = torch.empty((len(rows), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    full[rows] = torch.cat(preds)
+    return full
+
+
 class PrivateTrainer(SupervisedTrainer):
     """MONAI ``SupervisedTrainer`` taking one private step per iteration.
 
@@ -210,9 +219,11 @@ class PrivateTrainer(SupervisedTrainer):
             if self.private:
                 noise_only_step(self.optimizer)
         else:
-            chunks = self._unit_chunks(units, len(x), device)
+            chunks = self._unit_chunks(units, len(x))
+            chunk_preds: list[Tensor] = []
+            chunk_losses: list[Tensor] = []
             if len(chunks) > 1:
-                self._accumulate_chunks(x, y, units, chunks[:-1], output)
+                chunk_preds, chunk_losses = self._accumulate_chunks(x, y, units, chunks[:-1])
                 last = chunks[-1]
                 x_last, y_last = x[last], y[last]
                 units_last = units[last] if units is not None else None
@@ -220,10 +231,12 @@ class PrivateTrainer(SupervisedTrainer):
                 x_last, y_last, units_last = x, y, units
             with forward_autocast(self.precision, device):
                 pred = self.inferer(x_last, self.network)
-            output[Keys.PRED] = pred if len(chunks) == 1 else self._in_order(chunks, pred, output)
+            output[Keys.PRED] = (
+                pred if len(chunks) == 1 else _in_order(chunks, [*chunk_preds, pred.detach()])
+            )
             self.fire_event(IterationEvents.FORWARD_COMPLETED)
             per_sample = self.loss_function(float32_output(pred), y_last)
-            losses = [*output.pop("_chunk_losses", []), per_sample.detach()]
+            losses = [*chunk_losses, per_sample.detach()]
             output[Keys.LOSS] = torch.cat([loss.reshape(-1) for loss in losses]).mean()
             self.fire_event(IterationEvents.LOSS_COMPLETED)
             # private: the sum, so each sample's error is its own loss gradient (the optimizer
@@ -242,7 +255,7 @@ class PrivateTrainer(SupervisedTrainer):
             self.fire_event(IterationEvents.MODEL_COMPLETED)
         return self.state.output  # decollated by MONAI at MODEL_COMPLETED when asked
 
-    def _unit_chunks(self, units: Tensor | None, n: int, device: Any) -> list[Tensor]:
+    def _unit_chunks(self, units: Tensor | None, n: int) -> list[Tensor]:
         """Row indices of each chunk of at most ``max_physical_batch`` whole units."""
         limit = self.max_physical_batch
         if not self.private or limit is None:
@@ -254,13 +267,15 @@ class PrivateTrainer(SupervisedTrainer):
         return [torch.isin(ids, group).nonzero().squeeze(1) for group in distinct.split(limit)]
 
     def _accumulate_chunks(
-        self, x: Tensor, y: Tensor, units: Tensor | None, chunks: list[Tensor],
-        output: dict[str, Any],
-    ) -> None:  # fmt: skip
+        self, x: Tensor, y: Tensor, units: Tensor | None, chunks: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
         """Add each chunk's transformed, per-unit clipped gradients to the step's sum.
 
         Opacus' skip signal makes the optimizer clip and accumulate without noise or update;
         ``zero_grad`` after a skipped step keeps the accumulated sum (``summed_grad``).
+
+        Returns:
+            Each chunk's predictions and per-sample losses, detached.
         """
         device = x.device
         preds, losses = [], []
@@ -276,16 +291,7 @@ class PrivateTrainer(SupervisedTrainer):
             self.optimizer.zero_grad(set_to_none=True)
             preds.append(pred.detach())
             losses.append(per_sample.detach())
-        output["_chunk_preds"], output["_chunk_losses"] = preds, losses
-
-    @staticmethod
-    def _in_order(chunks: list[Tensor], last: Tensor, output: dict[str, Any]) -> Tensor:
-        """The chunks' predictions, detached, in the batch's row order."""
-        preds = [*output.pop("_chunk_preds"), last.detach()]
-        rows = torch.cat(chunks).to(last.device)
-        full = torch.empty((len(rows), *last.shape[1:]), dtype=last.dtype, device=last.device)
-        full[rows] = torch.cat(preds)
-        return full
+        return preds, losses
 
     def run(self) -> None:  # type: ignore[override]
         """Train; on an interrupt or error fire :attr:`PrivacyEvents.RUN_STOPPED`, then raise."""

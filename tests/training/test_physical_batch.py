@@ -73,7 +73,7 @@ def test_a_step_in_chunks_of_units_is_the_whole_batch_step(method, clipping):
 def test_a_unit_is_never_split_between_chunks():
     trainer = PrivateTrainer.__new__(PrivateTrainer)
     trainer.max_physical_batch, trainer.privacy_engine = 2, object()
-    chunks = trainer._unit_chunks(UNITS, len(UNITS), "cpu")
+    chunks = trainer._unit_chunks(UNITS, len(UNITS))
     seen = [set(UNITS[c].tolist()) for c in chunks]
     assert [len(s) for s in seen] == [2, 2, 2]
     assert sorted(torch.cat(chunks).tolist()) == list(range(len(UNITS)))
