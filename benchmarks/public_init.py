@@ -176,11 +176,13 @@ def run_job(
                               "method=nonprivate", *base], public_dir)  # fmt: skip
         if arm == "public":
             return _test_dice(private_cfg, public_dir)
-    run = work / f"{arm}_{shift}_{job['method']}_eps{eps:g}_s{seed}"
+    finetune = job.get("finetune", "full")
+    run = work / f"{arm}_{shift}_{job['method']}_{finetune}_eps{eps:g}_s{seed}"
     # the private-only arm keeps its config's own method (the shipped recipe: DP-SGD at 1)
     overrides = [*private, *([f"method={job['method']}"] if arm == "finetune" else [])]
     if arm == "finetune":
         overrides += [f"model.pretrained={public_dir / 'model.pt'}", "pretrain.steps=0",
+                      f"training.finetune={finetune}",
                       f"model.pretrained_source=public release, shift {shift}"]  # fmt: skip
         if shift in ("labels", "both"):  # anterior and posterior from the merged class
             overrides.append("model.pretrained_class_map=[0,1,1]")
@@ -190,23 +192,40 @@ def run_job(
     return out
 
 
-def jobs(eps_list: list[float], seeds: list[int]) -> list[dict[str, Any]]:
-    """Every run, most informative first: epsilon by epsilon, the public models first."""
+def jobs(
+    eps_list: list[float], seeds: list[int], finetunes: tuple[str, ...] = ("full",)
+) -> list[dict[str, Any]]:
+    """Every run, most informative first: epsilon by epsilon, the public models first.
+
+    ``finetunes`` are the ``training.finetune`` modes of the fine-tuning arms (``full``,
+    ``lora``, ...); the public and private-only arms are run once whatever they are."""
     out: list[dict[str, Any]] = []
     for seed in seeds:
         out += [{"arm": "public", "shift": s, "seed": seed} for s in SHIFTS]
     for eps in eps_list:
         for seed in seeds:
             for shift in ("both", "labels", "contrast"):
-                out += [{"arm": "finetune", "shift": shift, "method": m, "eps": eps, "seed": seed}
-                        for m in METHODS]  # fmt: skip
+                out += [{"arm": "finetune", "shift": shift, "method": m, "eps": eps, "seed": seed,
+                         "finetune": f} for f in finetunes for m in METHODS]  # fmt: skip
             out.append({"arm": "private", "shift": None, "method": "config", "eps": eps,
                         "seed": seed})  # fmt: skip
     return out
 
 
 def _key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(row.get(k) for k in ("arm", "shift", "method", "eps", "seed"))
+    finetune = row.get("finetune", "full") if row["arm"] == "finetune" else None
+    return (*(row.get(k) for k in ("arm", "shift", "method", "eps", "seed")), finetune)
+
+
+def _matches(row: dict[str, Any], sel: dict[str, Any]) -> bool:
+    """Whether a row has every field of ``sel`` (a fine-tuning row without one is ``full``)."""
+    own = {**({"finetune": "full"} if row["arm"] == "finetune" else {}), **row}
+    return all(own.get(k) == v for k, v in sel.items())
+
+
+def _modes(rows: list[dict[str, Any]]) -> list[str]:
+    found = {r.get("finetune", "full") for r in rows if r["arm"] == "finetune"}
+    return sorted(found, key=lambda m: (m != "full", m))
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -224,7 +243,7 @@ def summarize(data: dict[str, Any]) -> str:
     ]
 
     def cell(sel: dict[str, Any]) -> str:
-        vals = [r["test_mean_dice"] for r in rows if all(r.get(k) == v for k, v in sel.items())]
+        vals = [r["test_mean_dice"] for r in rows if _matches(r, sel)]
         return f"{fmt_mean_std(vals)} (n={len(vals)})" if vals else "not run"
 
     lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]],
@@ -232,9 +251,10 @@ def summarize(data: dict[str, Any]) -> str:
                      *[cell({"arm": "public", "shift": s}) for s in SHIFTS]]])  # fmt: skip
     for eps in sorted({r["eps"] for r in rows if r.get("eps") is not None}):
         lines += ["", f"## Epsilon {eps:g}", ""]
-        body = [[f"public init + {m} fine-tuning",
-                 *[cell({"arm": "finetune", "shift": s, "method": m, "eps": eps}) for s in SHIFTS]]
-                for m in METHODS]  # fmt: skip
+        body = [[f"public init + {m} fine-tuning" + ("" if f == "full" else f" ({f})"),
+                 *[cell({"arm": "finetune", "shift": s, "method": m, "eps": eps, "finetune": f})
+                   for s in SHIFTS]]
+                for f in _modes(rows) for m in METHODS]  # fmt: skip
         private = cell({"arm": "private", "eps": eps})
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
@@ -256,12 +276,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
         return
 
     def mean(sel: dict[str, Any]) -> float:
-        vals = [r["test_mean_dice"] for r in rows if all(r.get(k) == v for k, v in sel.items())]
+        vals = [r["test_mean_dice"] for r in rows if _matches(r, sel)]
         return float(np.mean(vals)) if vals else float("nan")
 
     arms = [("public-only", {"arm": "public"}, "#999999"),
-            ("public init + DP-SGD", {"arm": "finetune", "method": "dp-sgd"}, "#4c72b0"),
-            ("public init + DP-KFC", {"arm": "finetune", "method": "dp-kfc"}, "#dd8452"),
+            ("public init + DP-SGD", {"arm": "finetune", "method": "dp-sgd", "finetune": "full"},
+             "#4c72b0"),
+            ("public init + DP-KFC", {"arm": "finetune", "method": "dp-kfc", "finetune": "full"},
+             "#dd8452"),
             ("private only", {"arm": "private"}, "#55a868")]  # fmt: skip
     fig, axes = plt.subplots(1, len(eps_list), figsize=(4.2 * len(eps_list), 3.4), sharey=True)
     axes = np.atleast_1d(axes)
@@ -310,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--eps", default="1,8")
     p.add_argument("--seeds", default="1")
+    p.add_argument("--finetune", default="full", help="fine-tuning modes, e.g. full,lora")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--epochs", type=int, default=None, help="every arm alike (default: config)")
     p.add_argument("--out", type=Path, default=OUT)
@@ -336,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     folders = prepare(work / "data")
     done = {_key(r) for r in data["runs"]}
     save_results(args.out, data)
-    for job in jobs(floats(args.eps), ints(args.seeds)):
+    for job in jobs(floats(args.eps), ints(args.seeds), tuple(args.finetune.split(","))):
         if _key(job) in done:
             continue
         t0 = time.perf_counter()

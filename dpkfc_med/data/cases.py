@@ -9,6 +9,7 @@ on demand (:meth:`SegmentationCases.load_case`) or all at once to check every la
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dpkfc_med.data.errors import DataValidationError
+from dpkfc_med.data.paths import sha256_file
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -26,9 +28,11 @@ __all__ = [
     "collect_cases",
     "read_headers",
     "header_facts",
+    "image_digest",
     "is_nifti_file",
     "label_value_problem",
     "read_array",
+    "read_case_image",
     "read_image_array",
 ]
 
@@ -64,7 +68,12 @@ class SegmentationCase:
             for PNG / JPEG pixels).
         image_dtype: On-disk image dtype, e.g. ``"float32"``.
         label_dtype: On-disk label dtype.
-        channels: Image channels (a 4-D NIfTI stores them last; 1 for a 3-D image).
+        channels: Image channels (a 4-D NIfTI stores them last; one file per modality gives
+            one channel each; 1 for a 3-D image).
+        modality_files: One file per modality, in channel order (nnU-Net's
+            ``<case>_0000.nii.gz``, ``<case>_0001.nii.gz``, ...), when the image is stored that
+            way; empty when ``image_path`` holds every channel. ``image_path`` is then the
+            first of them.
     """
 
     case_id: str
@@ -75,6 +84,12 @@ class SegmentationCase:
     image_dtype: str
     label_dtype: str
     channels: int = 1
+    modality_files: tuple[Path, ...] = ()
+
+    @property
+    def image_files(self) -> tuple[Path, ...]:
+        """Every file of the image, in channel order (one unless stored per modality)."""
+        return self.modality_files or (self.image_path,)
 
 
 def label_value_problem(
@@ -130,6 +145,21 @@ def read_array(path: Path) -> np.ndarray:
 
     img: Any = nib.load(str(path))  # typed as the generic FileBasedImage by nibabel
     return np.asanyarray(img.dataobj)
+
+
+def read_case_image(case: SegmentationCase) -> np.ndarray:
+    """A case's image voxels; modality files are stacked last (``[X, Y, Z, C]``, as 4-D NIfTI)."""
+    if not case.modality_files:
+        return read_array(case.image_path)
+    return np.stack([read_array(p) for p in case.modality_files], axis=-1)
+
+
+def image_digest(case: SegmentationCase) -> str:
+    """SHA-256 of a case's image: of its file, or of its modality files' digests in order."""
+    digests = [sha256_file(p) for p in case.image_files]
+    if len(digests) == 1:
+        return digests[0]
+    return hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
 
 def header_facts(path: Path) -> tuple[tuple[int, ...], tuple[float, ...], str]:
@@ -212,11 +242,19 @@ class SegmentationCases:
         chosen = sorted(set(case_ids))
         return replace(self, cases=[self._by_id[c] for c in chosen], dropped=list(self.dropped))
 
-    def data_dicts(self, case_ids: Sequence[str] | None = None) -> list[dict[str, str]]:
-        """MONAI-style records ``{"image": path, "label": path, "case_id": id}``."""
+    def data_dicts(self, case_ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """MONAI-style records ``{"image": path, "label": path, "case_id": id}``.
+
+        An image stored one file per modality gives the list of its files (MONAI's
+        ``LoadImaged`` stacks them as channels, in that order).
+        """
         chosen = self.cases if case_ids is None else [self[c] for c in case_ids]
         return [
-            {"image": str(c.image_path), "label": str(c.label_path), "case_id": c.case_id}
+            {
+                "image": [str(p) for p in c.modality_files] or str(c.image_path),
+                "label": str(c.label_path),
+                "case_id": c.case_id,
+            }
             for c in chosen
         ]
 
@@ -235,7 +273,7 @@ class SegmentationCases:
         """
         case = self[case_id]
         try:
-            image = read_array(case.image_path)
+            image = read_case_image(case)
             label = read_array(case.label_path)
         except Exception as err:
             raise DataValidationError(
@@ -269,7 +307,7 @@ class SegmentationCases:
         for case in self.cases:
             try:
                 label = read_array(case.label_path)
-                read_array(case.image_path)
+                read_case_image(case)
             except Exception as err:
                 problems.append(
                     f"case {case.case_id}: voxel data unreadable ({type(err).__name__}: {err}); "

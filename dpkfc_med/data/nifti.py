@@ -52,8 +52,9 @@ __all__ = [
     "segmentation_transforms",
 ]
 
-# nnU-Net names single-modality images "<case>_0000.nii.gz" while the label is "<case>.nii.gz".
-_MODALITY_SUFFIX = re.compile(r"_0000$")
+# nnU-Net names image files "<case>_0000.nii.gz", "<case>_0001.nii.gz", ... (one per modality,
+# in channel order) while the label is "<case>.nii.gz".
+_MODALITY_SUFFIX = re.compile(r"_(\d{4})$")
 
 
 def _parse_label_names(raw: Any) -> dict[int, str] | None:
@@ -70,12 +71,33 @@ def _parse_label_names(raw: Any) -> dict[int, str] | None:
 # Pairing results: case ID -> (image, label); (case ID, message) for unpaired files and for
 # other problems (case ID None when the problem belongs to no case), so that a case_ids filter
 # can drop the problems of cases the caller did not ask for.
-_Pairs = dict[str, tuple[Path, Path]]
+_Pairs = dict[str, tuple[tuple[Path, ...], Path]]
 _Notes = list[tuple[str | None, str]]
 
 
-def _pairs_from_index(root: Path, training: list[Any]) -> tuple[_Pairs, _Notes, _Notes]:
-    """Pair images and labels from the ``training`` list of an MSD ``dataset.json``."""
+def _modality_files(listed: Path, count: int | None) -> tuple[Path, ...]:
+    """nnU-Net's per-modality files of a listed image that does not exist itself.
+
+    nnU-Net's ``dataset.json`` lists ``imagesTr/<case>.nii.gz`` while the folder holds
+    ``<case>_0000.nii.gz``, ``<case>_0001.nii.gz``, ...: the ``count`` declared modalities,
+    else every consecutive one found. Empty when there is none.
+    """
+    name = listed.name
+    suffix = next((x for x in (".nii.gz", ".nii") if name.endswith(x)), listed.suffix)
+    stem = name[: len(name) - len(suffix)]
+    found: list[Path] = []
+    while count is None or len(found) < count:
+        candidate = listed.with_name(f"{stem}_{len(found):04d}{suffix}")
+        if not candidate.is_file():
+            break
+        found.append(candidate)
+    return tuple(found)
+
+
+def _pairs_from_index(
+    root: Path, training: list[Any], modalities: int | None
+) -> tuple[_Pairs, _Notes, _Notes]:
+    """Pair images and labels from the ``training`` list of an MSD / nnU-Net ``dataset.json``."""
     pairs: _Pairs = {}
     unpaired: _Notes = []
     problems: _Notes = []
@@ -86,13 +108,15 @@ def _pairs_from_index(root: Path, training: list[Any]) -> tuple[_Pairs, _Notes, 
             continue
         image_path = (root / image_rel).resolve()
         cid = case_id_from_path(image_path)
+        images = _modality_files(image_path, modalities) if not image_path.is_file() else ()
+        images = images or (image_path,)
         label_rel = entry.get("label")
         if not isinstance(label_rel, str):
             msg = f"case {cid}: image {image_rel} has no 'label' in dataset.json training[{i}]"
             unpaired.append((cid, msg))
             continue
         label_path = (root / label_rel).resolve()
-        for kind, p in (("image", image_path), ("label", label_path)):
+        for kind, p in (("image", images[0]), ("label", label_path)):
             if not p.is_file():
                 problems.append(
                     (
@@ -103,7 +127,7 @@ def _pairs_from_index(root: Path, training: list[Any]) -> tuple[_Pairs, _Notes, 
                 )
         if cid in pairs:
             problems.append((cid, f"case {cid}: listed twice in dataset.json training"))
-        pairs[cid] = (image_path, label_path)
+        pairs[cid] = (images, label_path)
     return pairs, unpaired, problems
 
 
@@ -130,17 +154,28 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
                     (cid, f"case {cid}: two label files ({labels[cid].name}, {p.name})")
                 )
             labels[cid] = p
-    images: dict[str, Path] = {}
+    files: dict[str, dict[int, Path]] = {}  # case -> modality index (-1: no suffix) -> file
     for p in sorted(image_dir.iterdir()):
         if not is_nifti_file(p):
             continue
-        cid = case_id_from_path(p)
-        stripped = _MODALITY_SUFFIX.sub("", cid)
-        if cid not in labels and stripped in labels:
-            cid = stripped
-        if cid in images:
-            problems.append((cid, f"case {cid}: two image files ({images[cid].name}, {p.name})"))
-        images[cid] = p
+        cid, index = case_id_from_path(p), -1
+        suffix = _MODALITY_SUFFIX.search(cid)
+        if cid not in labels and suffix is not None:
+            cid, index = cid[: suffix.start()], int(suffix.group(1))
+        own = files.setdefault(cid, {})
+        if index in own or (own and (index == -1 or -1 in own)):
+            other = own.get(index) or next(iter(own.values()))
+            problems.append((cid, f"case {cid}: two image files ({other.name}, {p.name})"))
+            continue
+        own[index] = p
+    images: dict[str, tuple[Path, ...]] = {}
+    for cid, own in files.items():
+        order = sorted(own)
+        if order != [-1] and order != list(range(len(order))):
+            have = ", ".join(own[i].name for i in order)
+            gap = f"case {cid}: modality files {have} skip a number; nnU-Net numbers one file "
+            problems.append((cid, gap + "per modality _0000, _0001, ... without gaps"))
+        images[cid] = tuple(own[i] for i in order)
     if not images and not labels:
         problems.append((None, "imagesTr/ and labelsTr/ hold no .nii / .nii.gz files"))
 
@@ -150,7 +185,7 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
         if cid in images and cid in labels:
             pairs[cid] = (images[cid], labels[cid])
         elif cid in images:
-            msg = f"case {cid}: image imagesTr/{images[cid].name} has no label in labelsTr/"
+            msg = f"case {cid}: image imagesTr/{images[cid][0].name} has no label in labelsTr/"
             unpaired.append((cid, msg))
         else:
             msg = f"case {cid}: label labelsTr/{labels[cid].name} has no image in imagesTr/"
@@ -158,11 +193,42 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
     return pairs, unpaired, problems
 
 
-def _check_pair(cid: str, image_path: Path, label_path: Path) -> SegmentationCase | list[str]:
-    """Read both headers and check they describe one voxel grid; problems or the case."""
-    facts, problems = read_headers(cid, {"image": image_path, "label": label_path}, header_facts)
+def _modality_problems(cid: str, images: tuple[Path, ...], facts: dict[str, Any]) -> list[str]:
+    """Per-modality files must each hold one channel on one voxel grid."""
+    (shape, zoom, _), first = facts["image"], images[0].name
+    problems = []
+    for i, path in enumerate(images):
+        ishape, izoom, _ = facts["image" if i == 0 else f"modality {i:04d}"]
+        if len(ishape) not in (2, 3):
+            problems.append(
+                f"case {cid}: modality file {path.name} has shape {ishape}; each per-modality "
+                "file holds one 3-D (X,Y,Z) or 2-D channel (a 4-D image goes in one file alone)"
+            )
+        elif ishape != shape or not np.allclose(izoom, zoom, rtol=1e-3, atol=1e-4):
+            problems.append(
+                f"case {cid}: modality file {path.name} is {ishape} at {izoom} mm but {first} "
+                f"is {shape} at {zoom} mm; register every modality onto one voxel grid"
+            )
+    return problems
+
+
+def _check_pair(
+    cid: str, images: tuple[Path, ...], label_path: Path, modalities: int | None
+) -> SegmentationCase | list[str]:
+    """Read every header and check they describe one voxel grid; problems or the case.
+
+    ``images`` is one file (3-D, or 4-D with channels last) or one file per modality;
+    ``modalities`` is the channel count ``dataset.json`` declares, if it does.
+    """
+    image_path = images[0]
+    files = {"image": image_path, **{f"modality {i:04d}": p for i, p in enumerate(images) if i}}
+    facts, problems = read_headers(cid, {**files, "label": label_path}, header_facts)
     if problems:
         return problems
+    if len(images) > 1:
+        problems = _modality_problems(cid, images, facts)
+        if problems:
+            return problems
     (ishape, izoom, idtype), (lshape, lzoom, ldtype) = facts["image"], facts["label"]
     if len(ishape) not in (2, 3, 4):
         problems.append(
@@ -187,6 +253,14 @@ def _check_pair(cid: str, image_path: Path, label_path: Path) -> SegmentationCas
             f"case {cid}: image spacing {izoom[:n]} != label spacing {lzoom[:n]} mm; fix the "
             "label header"
         ]
+    channels = len(images) if len(images) > 1 else (ishape[3] if len(ishape) == 4 else 1)
+    if modalities is not None and channels != modalities:
+        names = ", ".join(p.name for p in images)
+        return [
+            f"case {cid}: {channels} channel(s) ({names}) but dataset.json declares "
+            f"{modalities} modalities; every case needs each declared modality (one 4-D file, "
+            "or <case>_0000, <case>_0001, ... one file per modality)"
+        ]
     return SegmentationCase(
         case_id=cid,
         image_path=image_path,
@@ -195,7 +269,8 @@ def _check_pair(cid: str, image_path: Path, label_path: Path) -> SegmentationCas
         spacing=tuple(izoom[:n]),
         image_dtype=idtype,
         label_dtype=ldtype,
-        channels=ishape[3] if len(ishape) == 4 else 1,
+        channels=channels,
+        modality_files=images if len(images) > 1 else (),
     )
 
 
@@ -277,9 +352,12 @@ def load_segmentation_folder(
                 index, [f"not valid JSON ({err}); fix or remove dataset.json"]
             ) from err
     label_names = _parse_label_names(meta.get("labels"))
+    # MSD declares {"0": "FLAIR", ...} as "modality", nnU-Net v2 as "channel_names"
+    declared_modalities = meta.get("modality", meta.get("channel_names"))
+    modalities = len(declared_modalities) if isinstance(declared_modalities, Mapping) else None
     if isinstance(meta.get("training"), list):
         source = "dataset.json"
-        pairs, unpaired, notes = _pairs_from_index(root, meta["training"])
+        pairs, unpaired, notes = _pairs_from_index(root, meta["training"], modalities)
     else:
         source = "imagesTr/labelsTr"
         pairs, unpaired, notes = _pairs_from_folders(root)
@@ -311,9 +389,9 @@ def load_segmentation_folder(
 
     def checked() -> Iterator[SegmentationCase | list[str]]:
         for cid in sorted(pairs):
-            image_path, label_path = pairs[cid]
-            if image_path.is_file() and label_path.is_file():  # else reported by the pairing
-                yield _check_pair(cid, image_path, label_path)
+            images, label_path = pairs[cid]
+            if all(p.is_file() for p in (*images, label_path)):  # else reported by the pairing
+                yield _check_pair(cid, images, label_path, modalities)
 
     if num_classes is not None:
         declared: int | None = num_classes

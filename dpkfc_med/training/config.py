@@ -80,7 +80,9 @@ class DataConfig:
     Attributes:
         path: a MedMNIST-format ``.npz``, a bare MedMNIST flag (``pneumoniamnist``), or a
             NIfTI folder (``imagesTr``/``labelsTr`` or ``dataset.json``) for segmentation (or
-            ``images/`` + ``masks/`` of PNG / JPEG for 2D segmentation).
+            ``images/`` + ``masks/`` of PNG / JPEG for 2D segmentation). Several modalities
+            come as one 4-D file per case or one file each (``<case>_0000.nii.gz``,
+            ``<case>_0001.nii.gz``, ... in channel order, as nnU-Net names them).
         task: ``classification`` or ``segmentation``.
         spatial_dims: force 2 or 3 (default: inferred from the file; segmentation: the
             length of ``patch_size``).

@@ -29,8 +29,8 @@ from dpkfc_med.data import (
     load_segmentation_folder,
     load_split,
     resolve_data_path,
-    sha256_file,
 )
+from dpkfc_med.data.cases import image_digest
 from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
@@ -254,8 +254,8 @@ def _segmentation_overlap(
     train_ids = _training_case_ids(run, trained, run_cases)
     evaluated = list(task.extra["splits"][split].case_ids)
     cases = task.extra["cases"]
-    train_hashes = [sha256_file(run_cases[c].image_path) for c in train_ids]
-    eval_hashes = [sha256_file(cases[c].image_path) for c in evaluated]
+    train_hashes = [image_digest(run_cases[c]) for c in train_ids]
+    eval_hashes = [image_digest(cases[c]) for c in evaluated]
     return {
         "checked": True,
         "unit": "cases",

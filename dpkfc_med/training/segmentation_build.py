@@ -23,6 +23,7 @@ from dpkfc_med.data import (
     segmentation_transforms,
     sha256_file,
 )
+from dpkfc_med.data.cases import image_digest
 from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.training.segmentation_layout import (
     SegmentationLayout,
@@ -102,9 +103,7 @@ def _undeclared_num_classes(cases: SegmentationCases) -> int:
 
 def _fingerprint(cases: SegmentationCases) -> str:
     """SHA-256 of the manifest ``case_id image_sha256 label_sha256`` of ``cases`` (sorted)."""
-    lines = [
-        f"{c.case_id} {sha256_file(c.image_path)} {sha256_file(c.label_path)}\n" for c in cases
-    ]
+    lines = [f"{c.case_id} {image_digest(c)} {sha256_file(c.label_path)}\n" for c in cases]
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
