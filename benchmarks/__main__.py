@@ -20,6 +20,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "benchmarks.public_init",
         "public weights under shift: public-only, private-only, public init + fine-tuning",
     ),
+    "multichannel": (
+        "benchmarks.multichannel",
+        "two input channels, one file each, against one channel (hippocampus, epsilon 8)",
+    ),
     "cost": ("benchmarks.cost", "step time, peak memory and refresh share against Opacus"),
     "engine-overhead": (
         "benchmarks.engine_overhead",

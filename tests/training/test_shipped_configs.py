@@ -59,9 +59,34 @@ def _public_release_like(root: Path) -> list[str]:
     return ["data.path=msd_hippocampus", f"model.pretrained={root / 'public.pt'}"]
 
 
+def _two_modality_like(root: Path) -> list[str]:
+    """The two-channel folder's layout (one file per modality, nnU-Net's dataset.json)."""
+    import json
+
+    import nibabel as nib
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    training = []
+    for i in range(10):
+        files = {f"imagesTr/h_{i:03d}_{m:04d}": rng.random((12, 12, 10)).astype(np.float32)
+                 for m in range(2)}  # fmt: skip
+        files[f"labelsTr/h_{i:03d}"] = rng.integers(0, 3, (12, 12, 10)).astype(np.uint8)
+        for name, array in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            nib.save(nib.Nifti1Image(array, np.eye(4)), str(root / f"{name}.nii.gz"))
+        training.append({"image": f"./imagesTr/h_{i:03d}.nii.gz",
+                         "label": f"./labelsTr/h_{i:03d}.nii.gz"})  # fmt: skip
+    index = {"modality": {"0": "MRI", "1": "edges"}, "training": training,
+             "labels": {"0": "background", "1": "anterior", "2": "posterior"}}  # fmt: skip
+    (root / "dataset.json").write_text(json.dumps(index))
+    return [f"data.path={root}", "data.patch_size=[8,8,8]"]
+
+
 # configs whose data is not bundled (or made by a benchmark) train on a stand-in of its layout
 STAND_INS = {
     "brats_unet_3d_eps8": _brats_like,
+    "hippocampus_2ch_unet_3d_eps8": _two_modality_like,
     "hippocampus_unet_3d_public_init_eps1": _public_release_like,
 }
 
