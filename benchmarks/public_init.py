@@ -187,9 +187,18 @@ def run_job(
         if shift in ("labels", "both"):  # anterior and posterior from the merged class
             overrides.append("model.pretrained_class_map=[0,1,1]")
     cfg = _train(_config(eps), overrides, run)
-    out = _test_dice(cfg, run)
+    out = {**_test_dice(cfg, run), **_layer_evidence(run)}
     shutil.rmtree(run, ignore_errors=True)
     return out
+
+
+def _layer_evidence(run: Path) -> dict[str, Any]:
+    """The run's per-layer SNR and clipped fraction (custodian diagnostics, not DP)."""
+    from dpkfc_med.analysis.run_diagnostics import read_run_diagnostics
+
+    diag = read_run_diagnostics(run)
+    return {"clipped_fraction": round(diag.mean_clipped_fraction, 4),
+            "layer_snr": {k: float(f"{v:.4g}") for k, v in diag.mean_layer_snr.items()}}  # fmt: skip
 
 
 def jobs(
@@ -258,9 +267,40 @@ def summarize(data: dict[str, Any]) -> str:
         private = cell({"arm": "private", "eps": eps})
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
+    lines += _snr_tables(rows)
     if data.get("reading"):
         lines += ["", "## Reading", "", data["reading"]]
     return "\n".join(lines) + "\n"
+
+
+def _mean_snr(rows: list[dict[str, Any]], sel: dict[str, Any]) -> dict[str, float]:
+    own = [r["layer_snr"] for r in rows if _matches(r, sel)]
+    return {k: float(np.mean([o[k] for o in own])) for k in own[0]} if own else {}
+
+
+def _snr_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """Per layer: DP-KFC's mean SNR over DP-SGD's, per shift (runs that kept diagnostics)."""
+    lines: list[str] = []
+    kept = [r for r in rows if r.get("layer_snr")]
+    for eps in sorted({r["eps"] for r in kept}):
+        for mode in _modes(kept):
+            at = {"arm": "finetune", "eps": eps, "finetune": mode}
+            pairs = {s: (_mean_snr(kept, {**at, "shift": s, "method": "dp-sgd"}),
+                         _mean_snr(kept, {**at, "shift": s, "method": "dp-kfc"}))
+                     for s in SHIFTS}  # fmt: skip
+            pairs = {s: v for s, v in pairs.items() if v[0] and v[1]}
+            if not pairs:
+                continue
+            layers = list(dict.fromkeys(k for sgd, _ in pairs.values() for k in sgd))
+            body = [[layer, *[f"{kfc.get(layer, np.nan) / sgd[layer]:.2f}"
+                              for sgd, kfc in pairs.values()]] for layer in layers]  # fmt: skip
+            lines += ["", f"### Per-layer SNR, epsilon {eps:g}, {mode} fine-tuning: DP-KFC / DP-SGD",
+                      "", "Each layer's clipped signal over the noise added to it, mean over "
+                      "steps and seeds (custodian diagnostics from un-noised private gradients, "
+                      "not DP); above 1, DP-KFC's transform leaves that layer more signal per "
+                      "unit of noise.", ""]  # fmt: skip
+            lines += table(["layer", *[f"shift: {s}" for s in pairs]], body)
+    return lines
 
 
 def plot(data: dict[str, Any], path: Path) -> None:

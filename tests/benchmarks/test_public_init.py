@@ -36,3 +36,24 @@ def test_public_release_is_disjoint_and_shifted_as_documented(tmp_path):
         inverted = np.where(inside, x[inside].max() + x[inside].min() - x, 0)
         want = inverted if shift in ("contrast", "both") else x
         np.testing.assert_allclose(got_x, want, rtol=1e-5, atol=1e-3)
+
+
+def test_summary_keeps_fine_tuning_modes_apart():
+    """A row without a mode is full fine-tuning; LoRA rows get their own line and SNR table."""
+    from benchmarks.public_init import _key, jobs, summarize
+
+    def row(method, dice, **extra):
+        return {"arm": "finetune", "shift": "labels", "method": method, "eps": 1.0, "seed": 1,
+                "test_mean_dice": dice, **extra}  # fmt: skip
+
+    rows = [row("dp-sgd", 0.4), row("dp-kfc", 0.5),
+            row("dp-sgd", 0.1, finetune="lora", layer_snr={"conv": 2.0}),
+            row("dp-kfc", 0.2, finetune="lora", layer_snr={"conv": 1.0})]  # fmt: skip
+    text = summarize({"runs": rows})
+    lines = {ln.split(" |")[0]: ln for ln in text.splitlines() if ln.startswith("| public init")}
+    assert "0.500" in lines["| public init + dp-kfc fine-tuning"]
+    assert "0.200" in lines["| public init + dp-kfc fine-tuning (lora)"]
+    assert "epsilon 1, lora fine-tuning: DP-KFC / DP-SGD" in text and "| conv | 0.50 |" in text
+    assert _key(rows[0]) == _key({**rows[0], "finetune": "full"}) != _key(rows[2])
+    lora = [j for j in jobs([1.0], [1], ("full", "lora")) if j.get("finetune") == "lora"]
+    assert len(lora) == 6  # 3 shifts x 2 methods
