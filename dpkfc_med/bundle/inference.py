@@ -18,6 +18,8 @@ engine's evaluation exactly:
   ``imagesTr/`` / ``images/``): NIfTI (``(X, Y)`` or ``(X, Y, 1)``, written back as ``(X, Y)``)
   or PNG / JPEG / TIFF / BMP (read with MONAI's ``PILReader``, the label map written as
   ``PRED/{name}_seg.png``);
+* several input channels: one 4-D NIfTI per case, or one file per modality named as nnU-Net
+  does (``<case>_0000.nii.gz``, ``<case>_0001.nii.gz``, ...), read together as one image;
 * a 2D network trained on slices of volumes (``data.slices``): each NIfTI volume padded in-plane
   and predicted slice by slice across the slice axis (``SliceInferer``), written as a volume.
 """
@@ -224,6 +226,8 @@ def _segmentation(
     if axis is not None:
         inferer = {**inferer, "_target_": "SliceInferer", "spatial_dim": int(axis)}
     out["imports"] = [*out["imports"], "$import monai"]
+    if int(task["in_channels"]) > 1:  # the grouping of modality files below
+        out["imports"] += ["$import functools", "$import re"]
     out.update(
         {
             "patch_size": patch,
@@ -260,9 +264,18 @@ def _segmentation(
                     {"_target_": "SpatialPadd", "keys": "image", "spatial_size": pad},
                 ],
             },
+            # several channels may come one file per modality (<case>_0000, _0001, ...): the
+            # files of a case, in order, are one image (LoadImaged stacks them as channels)
+            "cases": (
+                "$@datalist"
+                if int(task["in_channels"]) == 1
+                else "$(lambda groups: [g[0] if len(g) == 1 else g for g in groups.values()])("
+                "functools.reduce(lambda acc, f: acc.setdefault(re.sub(r'_\\d{4}(?=\\.nii)', "
+                "'', f), []).append(f) or acc, @datalist, {}))"
+            ),
             "dataset": {
                 "_target_": "Dataset",
-                "data": "$[{'image': f} for f in @datalist]",
+                "data": "$[{'image': f} for f in @cases]",
                 "transform": "@preprocessing",
             },
             "inferer": inferer,

@@ -170,3 +170,23 @@ def test_a_per_file_modality_folder_trains_and_evaluates(tmp_path):
     first = next(v for k, v in saved["model"].items() if v.dim() == 5)
     assert first.shape[1] == 2  # the first convolution reads both modalities
     assert main(["evaluate", str(out), "--split", "test"]) == 0
+    # the exported bundle reads a case's modality files as one image, as a 4-D file
+    from tests.bundle.conftest import monai_run
+
+    assert main(["bundle", "export", str(out), str(tmp_path / "bundle")]) == 0
+    stacked = tmp_path / "stacked"
+    for cid in ("c1", "c2"):
+        files = [root / "imagesTr" / f"{cid}_{m:04d}.nii.gz" for m in range(2)]
+        image = np.stack([np.asarray(nib.load(str(f)).dataobj) for f in files], axis=-1)
+        _write(stacked / f"{cid}.nii.gz", image)
+        for f in files:
+            (tmp_path / "per_file").mkdir(exist_ok=True)
+            (tmp_path / "per_file" / f.name).symlink_to(f)
+    monai_run(tmp_path / "bundle", tmp_path / "per_file", tmp_path / "pred_a")
+    monai_run(tmp_path / "bundle", stacked, tmp_path / "pred_b")
+    for cid in ("c1", "c2"):
+        a = nib.load(str(tmp_path / "pred_a" / f"{cid}_0000_seg.nii.gz"))
+        b = nib.load(str(tmp_path / "pred_b" / f"{cid}_seg.nii.gz"))
+        assert a.shape == SHAPE
+        np.testing.assert_array_equal(np.asarray(a.dataobj), np.asarray(b.dataobj))
+    assert len(list((tmp_path / "pred_a").iterdir())) == 2  # one label map per case
