@@ -258,8 +258,9 @@ def _check_pair(
         names = ", ".join(p.name for p in images)
         return [
             f"case {cid}: {channels} channel(s) ({names}) but dataset.json declares "
-            f"{modalities} modalit{'y' if modalities == 1 else 'ies'}; every case needs each declared modality (one 4-D file, "
-            "or <case>_0000, <case>_0001, ... one file per modality)"
+            f"{modalities} modalit{'y' if modalities == 1 else 'ies'}; every case needs each "
+            "declared modality (one 4-D file, or <case>_0000, <case>_0001, ... one file per "
+            "modality)"
         ]
     return SegmentationCase(
         case_id=cid,

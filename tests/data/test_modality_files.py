@@ -195,8 +195,8 @@ def test_a_per_file_modality_folder_trains_and_evaluates(tmp_path):
 def test_an_nnunet_v2_folder_declares_channels_and_labels_without_a_list(tmp_path):
     """nnU-Net v2: ``channel_names`` and ``labels`` (name -> value), no ``training`` list."""
     root = _per_file(tmp_path / "d")
-    index = {"channel_names": {"0": "T2", "1": "ADC"}, "file_ending": ".nii.gz",
-             "labels": {"background": 0, "anterior": 1, "posterior": 2}, "numTraining": 3}  # fmt: skip
+    labels = {"background": 0, "anterior": 1, "posterior": 2}
+    index = {"channel_names": {"0": "T2", "1": "ADC"}, "labels": labels, "numTraining": 3}
     (root / "dataset.json").write_text(json.dumps(index))
     cases = load_segmentation_folder(root)
     assert cases.num_classes == 3 and cases.label_names == {0: "background", 1: "anterior",
