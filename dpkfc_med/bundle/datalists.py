@@ -24,7 +24,8 @@ def segmentation_datalists(
     dataset_dir: str | Path,
     fractions: Sequence[float] = (0.7, 0.15, 0.15),
     seed: int = 0,
-) -> dict[str, list[dict[str, str]]]:
+    channels: Sequence[str] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
     """Train / val / test items ``{"image", "label", "case_id"}`` of a segmentation folder.
 
     Args:
@@ -33,6 +34,8 @@ def segmentation_datalists(
             folder (``msd_hippocampus``).
         fractions: Train, val and test fractions (``data.split_fractions`` of a run config).
         seed: The split's key (``training.seed`` of a run config).
+        channels: ``data.channels`` of a run config: the modality suffixes of a folder per
+            case (BraTS), in channel order. An image of several files is their list.
 
     Returns:
         ``{"train": [...], "val": [...], "test": [...]}``, the cases of each split;
@@ -45,7 +48,8 @@ def segmentation_datalists(
     """
     from dpkfc_med.data import deterministic_split, load_segmentation_folder, resolve_data_path
 
-    cases = load_segmentation_folder(resolve_data_path(str(dataset_dir), kind="dir"))
+    root = resolve_data_path(str(dataset_dir), kind="dir")
+    cases = load_segmentation_folder(root, channels=channels)
     split = deterministic_split(cases.case_ids, list(fractions), seed)
     return {name: cases.data_dicts(ids) for name, ids in split.items()}
 

@@ -25,6 +25,7 @@ __all__ = [
     "SegmentationCase",
     "SegmentationCases",
     "case_id_from_path",
+    "check_nifti_case",
     "collect_cases",
     "read_headers",
     "header_facts",
@@ -325,6 +326,93 @@ class SegmentationCases:
                 problems.append(problem)
         if problems:
             raise DataValidationError(self.root, problems)
+
+
+def _modality_problems(cid: str, images: tuple[Path, ...], facts: dict[str, Any]) -> list[str]:
+    """Per-modality files must each hold one channel on one voxel grid."""
+    (shape, zoom, _), first = facts["image"], images[0].name
+    problems = []
+    for i, path in enumerate(images):
+        ishape, izoom, _ = facts["image" if i == 0 else f"modality {i:04d}"]
+        if len(ishape) not in (2, 3):
+            problems.append(
+                f"case {cid}: modality file {path.name} has shape {ishape}; each per-modality "
+                "file holds one 3-D (X,Y,Z) or 2-D channel (a 4-D image goes in one file alone)"
+            )
+        elif ishape != shape or not np.allclose(izoom, zoom, rtol=1e-3, atol=1e-4):
+            problems.append(
+                f"case {cid}: modality file {path.name} is {ishape} at {izoom} mm but {first} "
+                f"is {shape} at {zoom} mm; register every modality onto one voxel grid"
+            )
+    return problems
+
+
+def check_nifti_case(
+    cid: str,
+    images: tuple[Path, ...],
+    label_path: Path,
+    modalities: int | None,
+    declared_by: str = "dataset.json",
+) -> SegmentationCase | list[str]:
+    """Read a NIfTI case's headers and check they describe one voxel grid: the case, or problems.
+
+    ``images`` is one file (3-D, or 4-D with channels last) or one file per modality;
+    ``modalities`` is the channel count ``declared_by`` (``dataset.json``, ``data.channels``)
+    declares, if one does.
+    """
+    image_path = images[0]
+    files = {"image": image_path, **{f"modality {i:04d}": p for i, p in enumerate(images) if i}}
+    facts, problems = read_headers(cid, {**files, "label": label_path}, header_facts)
+    if problems:
+        return problems
+    if len(images) > 1:
+        problems = _modality_problems(cid, images, facts)
+        if problems:
+            return problems
+    (ishape, izoom, idtype), (lshape, lzoom, ldtype) = facts["image"], facts["label"]
+    if len(ishape) not in (2, 3, 4):
+        problems.append(
+            f"case {cid}: image {image_path.name} has shape {ishape}; expected 3-D (X,Y,Z) or "
+            "4-D (X,Y,Z,C), or 2-D (X,Y) / (X,Y,1) for 2D segmentation"
+        )
+    if len(lshape) not in (2, 3):
+        problems.append(
+            f"case {cid}: label {label_path.name} has shape {lshape}; expected 3-D (X,Y,Z) "
+            "(or 2-D (X,Y))"
+        )
+    if problems:
+        return problems
+    n = min(len(ishape), 3)  # spatial axes of the image; a 4th axis holds channels
+    if ishape[:n] != lshape:
+        return [
+            f"case {cid}: image shape {ishape[:n]} != label shape {lshape}; image and label "
+            "must be on the same voxel grid (resample the label onto the image)"
+        ]
+    if not np.allclose(izoom[:n], lzoom[:n], rtol=1e-3, atol=1e-4):
+        return [
+            f"case {cid}: image spacing {izoom[:n]} != label spacing {lzoom[:n]} mm; fix the "
+            "label header"
+        ]
+    channels = len(images) if len(images) > 1 else (ishape[3] if len(ishape) == 4 else 1)
+    if modalities is not None and channels != modalities:
+        names = ", ".join(p.name for p in images)
+        return [
+            f"case {cid}: {channels} channel(s) ({names}) but {declared_by} declares "
+            f"{modalities} modalit{'y' if modalities == 1 else 'ies'}; every case needs each "
+            "declared modality (one 4-D file, or <case>_0000, <case>_0001, ... one file per "
+            "modality)"
+        ]
+    return SegmentationCase(
+        case_id=cid,
+        image_path=image_path,
+        label_path=label_path,
+        shape=tuple(ishape[:n]),
+        spacing=tuple(izoom[:n]),
+        image_dtype=idtype,
+        label_dtype=ldtype,
+        channels=channels,
+        modality_files=images if len(images) > 1 else (),
+    )
 
 
 def collect_cases(

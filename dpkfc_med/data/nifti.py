@@ -21,16 +21,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from dpkfc_med.data.case_folders import is_case_folder_layout, load_case_folders
 from dpkfc_med.data.cases import (
     SegmentationCase,
     SegmentationCases,
     case_id_from_path,
+    check_nifti_case,
     collect_cases,
-    header_facts,
     is_nifti_file,
-    read_headers,
 )
 from dpkfc_med.data.dicom_folders import is_dicom_series_folder, load_dicom_segmentation_folder
 from dpkfc_med.data.errors import DataValidationError
@@ -193,88 +191,6 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
     return pairs, unpaired, problems
 
 
-def _modality_problems(cid: str, images: tuple[Path, ...], facts: dict[str, Any]) -> list[str]:
-    """Per-modality files must each hold one channel on one voxel grid."""
-    (shape, zoom, _), first = facts["image"], images[0].name
-    problems = []
-    for i, path in enumerate(images):
-        ishape, izoom, _ = facts["image" if i == 0 else f"modality {i:04d}"]
-        if len(ishape) not in (2, 3):
-            problems.append(
-                f"case {cid}: modality file {path.name} has shape {ishape}; each per-modality "
-                "file holds one 3-D (X,Y,Z) or 2-D channel (a 4-D image goes in one file alone)"
-            )
-        elif ishape != shape or not np.allclose(izoom, zoom, rtol=1e-3, atol=1e-4):
-            problems.append(
-                f"case {cid}: modality file {path.name} is {ishape} at {izoom} mm but {first} "
-                f"is {shape} at {zoom} mm; register every modality onto one voxel grid"
-            )
-    return problems
-
-
-def _check_pair(
-    cid: str, images: tuple[Path, ...], label_path: Path, modalities: int | None
-) -> SegmentationCase | list[str]:
-    """Read every header and check they describe one voxel grid; problems or the case.
-
-    ``images`` is one file (3-D, or 4-D with channels last) or one file per modality;
-    ``modalities`` is the channel count ``dataset.json`` declares, if it does.
-    """
-    image_path = images[0]
-    files = {"image": image_path, **{f"modality {i:04d}": p for i, p in enumerate(images) if i}}
-    facts, problems = read_headers(cid, {**files, "label": label_path}, header_facts)
-    if problems:
-        return problems
-    if len(images) > 1:
-        problems = _modality_problems(cid, images, facts)
-        if problems:
-            return problems
-    (ishape, izoom, idtype), (lshape, lzoom, ldtype) = facts["image"], facts["label"]
-    if len(ishape) not in (2, 3, 4):
-        problems.append(
-            f"case {cid}: image {image_path.name} has shape {ishape}; expected 3-D (X,Y,Z) or "
-            "4-D (X,Y,Z,C), or 2-D (X,Y) / (X,Y,1) for 2D segmentation"
-        )
-    if len(lshape) not in (2, 3):
-        problems.append(
-            f"case {cid}: label {label_path.name} has shape {lshape}; expected 3-D (X,Y,Z) "
-            "(or 2-D (X,Y))"
-        )
-    if problems:
-        return problems
-    n = min(len(ishape), 3)  # spatial axes of the image; a 4th axis holds channels
-    if ishape[:n] != lshape:
-        return [
-            f"case {cid}: image shape {ishape[:n]} != label shape {lshape}; image and label "
-            "must be on the same voxel grid (resample the label onto the image)"
-        ]
-    if not np.allclose(izoom[:n], lzoom[:n], rtol=1e-3, atol=1e-4):
-        return [
-            f"case {cid}: image spacing {izoom[:n]} != label spacing {lzoom[:n]} mm; fix the "
-            "label header"
-        ]
-    channels = len(images) if len(images) > 1 else (ishape[3] if len(ishape) == 4 else 1)
-    if modalities is not None and channels != modalities:
-        names = ", ".join(p.name for p in images)
-        return [
-            f"case {cid}: {channels} channel(s) ({names}) but dataset.json declares "
-            f"{modalities} modalit{'y' if modalities == 1 else 'ies'}; every case needs each "
-            "declared modality (one 4-D file, or <case>_0000, <case>_0001, ... one file per "
-            "modality)"
-        ]
-    return SegmentationCase(
-        case_id=cid,
-        image_path=image_path,
-        label_path=label_path,
-        shape=tuple(ishape[:n]),
-        spacing=tuple(izoom[:n]),
-        image_dtype=idtype,
-        label_dtype=ldtype,
-        channels=channels,
-        modality_files=images if len(images) > 1 else (),
-    )
-
-
 def load_segmentation_folder(
     path: str | Path,
     *,
@@ -283,6 +199,7 @@ def load_segmentation_folder(
     case_ids: Sequence[str] | None = None,
     dicom_series: str | None = None,
     cache_dir: str | Path | None = None,
+    channels: Sequence[str] | None = None,
 ) -> SegmentationCases:
     """Index a segmentation dataset folder from its NIfTI (or PNG / JPEG) headers.
 
@@ -309,6 +226,9 @@ def load_segmentation_folder(
             :func:`~dpkfc_med.data.dicom_folders.load_dicom_segmentation_folder`): regex of
             the ``SeriesDescription`` to read where a case has several.
         cache_dir: For DICOM series: where their NIfTI conversions are kept.
+        channels: The input channels' names in order (``data.channels``): for one folder per
+            case (BraTS, :mod:`.case_folders`) the modality file suffixes, required; for
+            other NIfTI folders the channel count every case must have.
 
     Returns:
         :class:`SegmentationCases`, sorted by case ID.
@@ -331,6 +251,15 @@ def load_segmentation_folder(
     if is_image_mask_folder(root) and not (root / "imagesTr").is_dir():
         return load_image_mask_folder(
             root, num_classes=num_classes, on_unpaired=on_unpaired, case_ids=case_ids
+        )
+
+    if is_case_folder_layout(root):
+        return load_case_folders(
+            root,
+            channels=channels,
+            num_classes=num_classes,
+            on_unpaired=on_unpaired,
+            case_ids=case_ids,
         )
 
     if is_dicom_series_folder(root):
@@ -356,6 +285,14 @@ def load_segmentation_folder(
     # MSD declares {"0": "FLAIR", ...} as "modality", nnU-Net v2 as "channel_names"
     declared_modalities = meta.get("modality", meta.get("channel_names"))
     modalities = len(declared_modalities) if isinstance(declared_modalities, Mapping) else None
+    declared_by = "dataset.json"
+    conflict: _Notes = []
+    if channels:
+        if modalities is not None and modalities != len(channels):
+            conflict.append((None, f"data.channels lists {len(channels)} channel(s) "
+                             f"{list(channels)} but dataset.json declares {modalities} "
+                             "modalities; make them agree"))  # fmt: skip
+        modalities, declared_by = len(channels), "data.channels"
     if isinstance(meta.get("training"), list):
         source = "dataset.json"
         pairs, unpaired, notes = _pairs_from_index(root, meta["training"], modalities)
@@ -363,6 +300,7 @@ def load_segmentation_folder(
         source = "imagesTr/labelsTr"
         pairs, unpaired, notes = _pairs_from_folders(root)
 
+    notes = conflict + notes
     if case_ids is not None:
         wanted = set(case_ids)
         known = set(pairs) | {cid for cid, _ in unpaired}
@@ -392,7 +330,7 @@ def load_segmentation_folder(
         for cid in sorted(pairs):
             images, label_path = pairs[cid]
             if all(p.is_file() for p in (*images, label_path)):  # else reported by the pairing
-                yield _check_pair(cid, images, label_path, modalities)
+                yield check_nifti_case(cid, images, label_path, modalities, declared_by)
 
     if num_classes is not None:
         declared: int | None = num_classes

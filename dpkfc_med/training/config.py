@@ -126,6 +126,11 @@ class DataConfig:
             that picks the one series to read where a case folder holds several (e.g.
             ``"T1"``); it must match exactly one series of every case. Unset: a case folder
             with several series is refused, listing their UIDs and descriptions.
+        channels: segmentation: the input channels' names, in channel order. Required for one
+            folder per case with one file per modality (the BraTS layout
+            ``<case>/<case>_<channel>.nii.gz`` + ``<case>_seg.nii.gz``; e.g. ``[t1n, t1c,
+            t2w, t2f]``, the file suffixes); for other NIfTI folders, every case must have this
+            many channels. Unset: as many as the files hold.
         slices: segmentation: train a 2D network on slices of the folder's 3D volumes
             (:class:`SliceConfig`); 2D images (a folder of 2D NIfTI, or ``images/`` + ``masks/``
             of PNG / JPEG) need no slicing, only a 2-value ``patch_size``.
@@ -148,6 +153,7 @@ class DataConfig:
     source: str | None = None
     shard: list[int] | None = None
     dicom_series: str | None = None
+    channels: list[str] | None = None
     slices: SliceConfig = field(default_factory=SliceConfig)
 
 

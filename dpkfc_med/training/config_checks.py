@@ -82,6 +82,14 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
             problems.append(f"{path}={v!r}: must be a positive number")
     if not cfg.data.path:
         problems.append("data.path: required (a MedMNIST .npz, a MedMNIST flag, or a NIfTI folder)")
+    channels = cfg.data.channels
+    if channels is not None and (
+        not channels or len(set(channels)) != len(channels) or not all(map(str, channels))
+    ):
+        problems.append(
+            f"data.channels={channels!r}: list each input channel's name once, in channel "
+            "order (e.g. [t1n, t1c, t2w, t2f]), or leave it unset"
+        )
     d = cfg.privacy.delta
     if d is not None and not (isinstance(d, float) and 0 < d < 1):
         problems.append(f"privacy.delta={d!r}: must be in (0, 1), e.g. 1e-5")

@@ -248,6 +248,7 @@ def _segmentation_overlap(
         else load_segmentation_folder(
             resolve_data_path(trained.data.path, kind="dir"),
             dicom_series=trained.data.dicom_series,
+            channels=trained.data.channels,
             cache_dir=run / PRIVATE_DIR / "dicom_cache",
         )
     )

@@ -147,7 +147,10 @@ def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
     # A folder of DICOM series is converted once into NIfTI in the run's custodian folder.
     dicom_cache = cfg.run_dir() / "private_not_for_release" / "dicom_cache"
     cases = load_segmentation_folder(
-        root, dicom_series=cfg.data.dicom_series, cache_dir=dicom_cache
+        root,
+        dicom_series=cfg.data.dicom_series,
+        cache_dir=dicom_cache,
+        channels=cfg.data.channels,
     )
     if cases.num_classes is None and cfg.data.num_classes is not None:
         # classes declared in the config: every case's label values are checked against them
