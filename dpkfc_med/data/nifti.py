@@ -158,7 +158,7 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
             continue
         cid, index = case_id_from_path(p), -1
         suffix = _MODALITY_SUFFIX.search(cid)
-        if cid not in labels and suffix is not None:
+        if cid not in labels and suffix is not None and cid[: suffix.start()] in labels:
             cid, index = cid[: suffix.start()], int(suffix.group(1))
         own = files.setdefault(cid, {})
         if index in own or (own and (index == -1 or -1 in own)):
