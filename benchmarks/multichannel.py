@@ -114,6 +114,11 @@ def run_job(channels: int, seed: int, work: Path, threads: int) -> dict[str, Any
             "test_dice_per_class": {k: float(v) for k, v in test["dice_per_class"].items()}}  # fmt: skip
 
 
+def _cell(values: list[float], digits: int) -> str:
+    """One value as it is; several as mean +- sd."""
+    return f"{values[0]:.{digits}f}" if len(values) == 1 else fmt_mean_std(values)
+
+
 def summarize(data: dict[str, Any]) -> str:
     """The Markdown page."""
     rows = data["runs"]
@@ -131,10 +136,15 @@ def summarize(data: dict[str, Any]) -> str:
     for channels in (1, 2):
         own = [r for r in rows if r["channels"] == channels]
         if own:
-            body.append([CONFIGS[channels].stem, str(channels),
-                         fmt_mean_std([r["test_mean_dice"] for r in own]),
-                         fmt_mean_std([r["train_minutes"] for r in own]), str(len(own))])  # fmt: skip
-    lines += table(["config", "channels", "test Dice", "minutes", "seeds"], body)
+            dice = [r["test_mean_dice"] for r in own]
+            per_class = {k: [r["test_dice_per_class"][k] for r in own]
+                         for k in own[0]["test_dice_per_class"]}  # fmt: skip
+            body.append([CONFIGS[channels].stem, str(channels), _cell(dice, 3),
+                         *[_cell(v, 3) for v in per_class.values()],
+                         _cell([r["train_minutes"] for r in own], 1), str(len(own))])  # fmt: skip
+    classes = list(rows[0]["test_dice_per_class"]) if rows else []
+    lines += table(["config", "channels", "test Dice", *[f"Dice {c}" for c in classes],
+                    "minutes (2 cores shared)", "seeds"], body)  # fmt: skip
     if data.get("reading"):
         lines += ["", "## Reading", "", data["reading"]]
     return "\n".join(lines) + "\n"
