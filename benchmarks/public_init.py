@@ -274,8 +274,15 @@ def summarize(data: dict[str, Any]) -> str:
 
 
 def _mean_snr(rows: list[dict[str, Any]], sel: dict[str, Any]) -> dict[str, float]:
-    own = [r["layer_snr"] for r in rows if _matches(r, sel)]
+    """Mean SNR per layer; DP-KFC's "(fallback)" marks a parameter without a curvature block."""
+    own = [{k.removesuffix(" (fallback)"): v for k, v in r["layer_snr"].items()}
+           for r in rows if _matches(r, sel)]  # fmt: skip
     return {k: float(np.mean([o[k] for o in own])) for k in own[0]} if own else {}
+
+
+def _snr_cell(sgd: dict[str, float], kfc: dict[str, float], layer: str) -> str:
+    base = sgd.get(layer, np.nan)
+    return f"{base:.2g} (x{kfc.get(layer, np.nan) / base:.2f})"
 
 
 def _snr_tables(rows: list[dict[str, Any]]) -> list[str]:
@@ -292,13 +299,14 @@ def _snr_tables(rows: list[dict[str, Any]]) -> list[str]:
             if not pairs:
                 continue
             layers = list(dict.fromkeys(k for sgd, _ in pairs.values() for k in sgd))
-            body = [[layer, *[f"{kfc.get(layer, np.nan) / sgd[layer]:.2f}"
-                              for sgd, kfc in pairs.values()]] for layer in layers]  # fmt: skip
-            lines += ["", f"### Per-layer SNR, epsilon {eps:g}, {mode} fine-tuning: DP-KFC / DP-SGD",
-                      "", "Each layer's clipped signal over the noise added to it, mean over "
-                      "steps and seeds (custodian diagnostics from un-noised private gradients, "
-                      "not DP); above 1, DP-KFC's transform leaves that layer more signal per "
-                      "unit of noise.", ""]  # fmt: skip
+            body = [[layer, *[_snr_cell(sgd, kfc, layer) for sgd, kfc in pairs.values()]]
+                    for layer in layers]  # fmt: skip
+            lines += ["", f"### Per-layer SNR, epsilon {eps:g}, {mode} fine-tuning",
+                      "", "DP-SGD's SNR of each layer (its clipped signal's squared norm over the "
+                      "noise's expected squared norm on that layer, mean over steps and seeds) and, "
+                      "in brackets, DP-KFC's SNR as a multiple of it (above 1: DP-KFC's transform "
+                      "leaves that layer more signal per unit of noise). Custodian diagnostics "
+                      "from un-noised private gradients, not DP.", ""]  # fmt: skip
             lines += table(["layer", *[f"shift: {s}" for s in pairs]], body)
     return lines
 

@@ -53,7 +53,7 @@ def test_summary_keeps_fine_tuning_modes_apart():
     lines = {ln.split(" |")[0]: ln for ln in text.splitlines() if ln.startswith("| public init")}
     assert "0.500" in lines["| public init + dp-kfc fine-tuning"]
     assert "0.200" in lines["| public init + dp-kfc fine-tuning (lora)"]
-    assert "epsilon 1, lora fine-tuning: DP-KFC / DP-SGD" in text and "| conv | 0.50 |" in text
+    assert "epsilon 1, lora fine-tuning" in text and "| conv | 2 (x0.50) |" in text
     assert _key(rows[0]) == _key({**rows[0], "finetune": "full"}) != _key(rows[2])
     lora = [j for j in jobs([1.0], [1], ("full", "lora")) if j.get("finetune") == "lora"]
     assert len(lora) == 6  # 3 shifts x 2 methods
