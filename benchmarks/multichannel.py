@@ -36,7 +36,6 @@ from benchmarks.harness import (
     RESULTS,
     ROOT,
     environment,
-    fmt_mean_std,
     git_commit,
     ints,
     load_results,
@@ -116,7 +115,9 @@ def run_job(channels: int, seed: int, work: Path, threads: int) -> dict[str, Any
 
 def _cell(values: list[float], digits: int) -> str:
     """One value as it is; several as mean +- sd."""
-    return f"{values[0]:.{digits}f}" if len(values) == 1 else fmt_mean_std(values)
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{np.mean(values):.{digits}f} +- {np.std(values, ddof=1):.{digits}f}"
 
 
 def summarize(data: dict[str, Any]) -> str:

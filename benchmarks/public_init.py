@@ -268,8 +268,11 @@ def summarize(data: dict[str, Any]) -> str:
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
     lines += _snr_tables(rows)
-    if data.get("reading"):
-        lines += ["", "## Reading", "", data["reading"]]
+    reading = data.get("reading") or []
+    if reading:  # one paragraph, or a list of them
+        lines += ["", "## Reading"]
+        for paragraph in [reading] if isinstance(reading, str) else reading:
+            lines += ["", paragraph]
     return "\n".join(lines) + "\n"
 
 
