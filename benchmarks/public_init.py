@@ -263,7 +263,8 @@ def summarize(data: dict[str, Any]) -> str:
         body = [[f"public init + {m} fine-tuning" + ("" if f == "full" else f" ({f})"),
                  *[cell({"arm": "finetune", "shift": s, "method": m, "eps": eps, "finetune": f})
                    for s in SHIFTS]]
-                for f in _modes(rows) for m in METHODS]  # fmt: skip
+                for f in _modes([r for r in rows if r.get("eps") == eps])
+                for m in METHODS]  # fmt: skip
         private = cell({"arm": "private", "eps": eps})
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)

@@ -46,7 +46,7 @@ DESCRIPTIONS = {
     "segmentation_hippocampus": "MSD hippocampus, MONAI 3D UNet, one patient = one unit, epsilon 8, 3 and 1; per-layer evidence, tuning runs and the lever study.",
     "federated_hippocampus": "MSD hippocampus over 3 Flower sites (every third training case each), DP-KFC at epsilon 8 per site, against the pooled shipped run.",
     "audit_pneumonia_cnn": "One-run empirical lower bound on epsilon (5000 canaries) for the demo config.",
-    "public_init_hippocampus": "MSD hippocampus: a keyed-hash public release (75 of 220 cases) with merged labels, inverted contrast or both; public-only, private-only and public init + DP-SGD / DP-KFC fine-tuning.",
+    "public_init_hippocampus": "MSD hippocampus: a keyed-hash public release (75 of 220 cases) with merged labels, inverted contrast or both; public-only, private-only and public init + DP-SGD / DP-KFC fine-tuning (full, 3 seeds; LoRA, last layer, norms and biases at epsilon 1), with per-layer SNR.",
     "multichannel_hippocampus": "MSD hippocampus with a second input channel (the MRI's gradient magnitude, one file per modality) against the one-channel config, DP-KFC at epsilon 8, same seed and cases.",
     "bundle_pipelines": "The Model Zoo bundles of `pipelines/` trained with `dpkfc-med bundle train`, against their run configs.",
     "tuning_adrenal3d": "AdrenalMNIST3D, 3D small CNN, total epsilon 8 and 3: `dpkfc-med tune` against the grid chosen on private validation without noise and against the shipped config untuned, 3 seeds.",
