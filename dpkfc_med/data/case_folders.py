@@ -102,7 +102,10 @@ def load_case_folders(
                 f"(the files of case {first.name if first else '?'})"
             ],
         )
-    problems: list[str] = []
+    problems = [
+        f"case {c}: requested in case_ids but not found in {root}"
+        for c in sorted(set(case_ids or ()) - set(folders))
+    ]
     dropped: list[str] = []
     checked: list[SegmentationCase | list[str]] = []
     for cid, folder in folders.items():
@@ -123,7 +126,8 @@ def load_case_folders(
             )
             continue
         images = tuple(files[c] for c in channels)
-        checked.append(check_nifti_case(cid, images, files[LABEL_SUFFIX], len(channels)))
+        label = files[LABEL_SUFFIX]
+        checked.append(check_nifti_case(cid, images, label, len(channels), "data.channels"))
     if dropped:
         warnings.warn(
             f"{root}: skipped {len(dropped)} case(s): " + "; ".join(dropped), stacklevel=3

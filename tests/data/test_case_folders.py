@@ -93,3 +93,10 @@ def test_a_brats_folder_trains_from_the_cli(tmp_path, capsys):
         "--set data.channels=[t1c,t1c]: list each input channel's name once"
         in capsys.readouterr().err
     )
+
+
+def test_case_ids_pick_case_folders_and_name_the_unknown(tmp_path):
+    root = _brats(tmp_path / "d", cases=("a1", "a2", "a3"))
+    assert load_segmentation_folder(root, channels=CHANNELS, case_ids=["a3"]).case_ids == ["a3"]
+    with pytest.raises(DataValidationError, match="case zz: requested in case_ids"):
+        load_segmentation_folder(root, channels=CHANNELS, case_ids=["a1", "zz"])
