@@ -74,7 +74,9 @@ def poisson_loader(
     sample_rate = 1 / len(data_loader)
     sharded = world is not None and world.distributed
     first = dataset[0]
-    if isinstance(first, (tuple, list)):
+    # (x, y) tuples get Opacus' empty-batch collate; a MONAI unit (a list of sample dicts, e.g.
+    # RandCropByPosNegLabeld's crops) has no tensor shape to copy, so its collate takes [] itself
+    if isinstance(first, (tuple, list)) and not any(isinstance(x, (dict, list)) for x in first):
         dp = DPDataLoader.from_data_loader(data_loader, generator=generator)
         if not secure and not sharded:
             return dp

@@ -171,6 +171,8 @@ def _md_block(block: Block) -> str:
         paragraphs = [f"> {_md_inline(par)}" for par in block.paragraphs]
         return f"> ### {block.title}\n>\n" + "\n>\n".join(paragraphs)
     if isinstance(block, Table):
+        if not block.rows and not block.header:  # e.g. the epsilon history of a run of 0 steps
+            return "_(none)_"
         header = [_md_inline(h, True) for h in block.header] or [""] * len(block.rows[0])
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(_md_inline(c, True) for c in row) + " |" for row in block.rows]
@@ -287,6 +289,8 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
             f"<h2>{html.escape(block.title)}</h2>{paragraphs}</section>"
         )
     if isinstance(block, Table):
+        if not block.rows and not block.header:
+            return "<p><em>(none)</em></p>"
         head = "".join(f"<th>{_html_inline(h)}</th>" for h in block.header)
         body = "".join(
             "<tr>" + "".join(f"<td>{_html_inline(c)}</td>" for c in row) + "</tr>"
