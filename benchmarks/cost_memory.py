@@ -155,10 +155,12 @@ def measure_memory_job(job: dict[str, Any]) -> dict[str, Any]:
         "step_peak_mib": peak / mib,
         "step_peak_increase_mib": (peak - baseline) / mib,
         # Training peak = the larger of the steps' peak and the set-up's (which includes the
-        # first preconditioner refresh; refreshes recur during training).
+        # first preconditioner refresh; refreshes recur during training). On the CPU the RSS
+        # can end below the baseline when the allocator returns freed pages: no increase, 0.
         "primary_mib": max(
             peak if device.type == "cuda" else peak - baseline,
             setup_peak if device.type == "cuda" else setup_peak - baseline,
+            0,
         )
         / mib,
         "how": mem.method(),
