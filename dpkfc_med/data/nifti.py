@@ -253,15 +253,6 @@ def load_segmentation_folder(
             root, num_classes=num_classes, on_unpaired=on_unpaired, case_ids=case_ids
         )
 
-    if is_case_folder_layout(root):
-        return load_case_folders(
-            root,
-            channels=channels,
-            num_classes=num_classes,
-            on_unpaired=on_unpaired,
-            case_ids=case_ids,
-        )
-
     if is_dicom_series_folder(root):
         return load_dicom_segmentation_folder(
             root,
@@ -270,6 +261,16 @@ def load_segmentation_folder(
             case_ids=case_ids,
             dicom_series=dicom_series,
             cache_dir=cache_dir,
+        )
+
+    # after DICOM: a DICOM case folder may hold its NIfTI label as <case>_seg.nii.gz
+    if is_case_folder_layout(root):
+        return load_case_folders(
+            root,
+            channels=channels,
+            num_classes=num_classes,
+            on_unpaired=on_unpaired,
+            case_ids=case_ids,
         )
 
     meta: dict[str, Any] = {}

@@ -365,3 +365,15 @@ def test_cli_trains_on_a_dicom_series_folder(hippo_root: Path, tmp_path: Path) -
     ]
     metrics = json.loads((private / "metrics.json").read_text())
     assert 0.0 <= metrics["test"]["mean_dice"] <= 1.0
+
+
+def test_a_dicom_case_folder_with_a_case_seg_label_stays_dicom(
+    hippo_root: Path, tmp_path: Path
+) -> None:
+    """``<case>/series/*.dcm`` + ``<case>/<case>_seg.nii.gz`` is DICOM, not the BraTS layout."""
+    ids = ["hippocampus_001", "hippocampus_004"]
+    root = _dicom_dataset(hippo_root, tmp_path / "data", ids, layout="case")
+    for cid in ids:
+        (root / cid / "label.nii.gz").rename(root / cid / f"{cid}_seg.nii.gz")
+    cases = load_segmentation_folder(root, cache_dir=tmp_path / "cache")
+    assert cases.case_ids == ids and cases.source.startswith("DICOM series")
