@@ -218,6 +218,15 @@ def fmt_mean_std(values: Sequence[float]) -> str:
     return f"{m:.3f} +- {s:.3f}"
 
 
+def reading_lines(data: dict[str, Any]) -> list[str]:
+    """A result file's ``"reading"`` (one paragraph or a list of them) as a Markdown section."""
+    reading = data.get("reading") or []
+    lines: list[str] = ["", "## Reading"] if reading else []
+    for paragraph in [reading] if isinstance(reading, str) else reading:
+        lines += ["", paragraph]
+    return lines
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[str]] = ()) -> list[str]:
     """Markdown table lines: the header, its rule and one line per row."""
     return [

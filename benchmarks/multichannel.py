@@ -39,6 +39,8 @@ from benchmarks.harness import (
     git_commit,
     ints,
     load_results,
+    mean_std,
+    reading_lines,
     record,
     runs_dir,
     save_results,
@@ -115,9 +117,8 @@ def run_job(channels: int, seed: int, work: Path, threads: int) -> dict[str, Any
 
 def _cell(values: list[float], digits: int) -> str:
     """One value as it is; several as mean +- sd."""
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{np.mean(values):.{digits}f} +- {np.std(values, ddof=1):.{digits}f}"
+    mean, sd = mean_std(values)
+    return f"{mean:.{digits}f}" if len(values) == 1 else f"{mean:.{digits}f} +- {sd:.{digits}f}"
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -146,8 +147,7 @@ def summarize(data: dict[str, Any]) -> str:
     classes = list(rows[0]["test_dice_per_class"]) if rows else []
     lines += table(["config", "channels", "test Dice", *[f"Dice {c}" for c in classes],
                     "minutes (2 cores shared)", "seeds"], body)  # fmt: skip
-    if data.get("reading"):
-        lines += ["", "## Reading", "", data["reading"]]
+    lines += reading_lines(data)
     return "\n".join(lines) + "\n"
 
 

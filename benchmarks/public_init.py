@@ -50,6 +50,7 @@ from benchmarks.harness import (
     git_commit,
     ints,
     load_results,
+    reading_lines,
     record,
     runs_dir,
     save_results,
@@ -269,11 +270,7 @@ def summarize(data: dict[str, Any]) -> str:
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
     lines += _snr_tables(rows)
-    reading = data.get("reading") or []
-    if reading:  # one paragraph, or a list of them
-        lines += ["", "## Reading"]
-        for paragraph in [reading] if isinstance(reading, str) else reading:
-            lines += ["", paragraph]
+    lines += reading_lines(data)
     return "\n".join(lines) + "\n"
 
 
