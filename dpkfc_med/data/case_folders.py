@@ -90,7 +90,8 @@ def load_case_folders(
     """
     folders = {f.name: f for f in _case_dirs(root)}
     if case_ids is not None:
-        folders = {c: f for c, f in folders.items() if c in set(case_ids)}
+        wanted = set(case_ids)
+        folders = {c: f for c, f in folders.items() if c in wanted}
     if not channels:
         first = next(iter(folders.values()), None)
         found = sorted(s for s in (_files(first) if first else {}) if s != LABEL_SUFFIX)
