@@ -31,8 +31,12 @@ __all__ = [
     "CUSTODIAN_SCHEMA",
     "EVALUATIONS_DIR",
     "EVALUATION_NOTE",
+    "NOT_COVERED_GROUPS",
     "PRIVATE_DIR",
+    "data_dependent_inputs",
+    "kept_in_house",
     "not_covered",
+    "not_covered_groups",
     "not_covered_summary",
     "shareable_config",
     "split_report",
@@ -153,7 +157,8 @@ def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         found, value = _pop(shareable, dotted)
         if found:
             _put(private, dotted, value)
-            moved.append(dotted)
+            if value is not None:  # a field this run does not use is not listed as kept
+                moved.append(dotted)
     p = shareable.get("privacy") or {}
     custodian: dict[str, Any] = {
         "schema": CUSTODIAN_SCHEMA,
@@ -199,27 +204,124 @@ def split_report(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return shareable, custodian
 
 
+NOT_COVERED_GROUPS: dict[str, str] = {
+    "nothing": "Nothing is covered",
+    "private": "Uses of the private data outside the mechanism",
+    "public": "Treated as public",
+    "weaker": "Protected less",
+    "assumed": "Assumed",
+    "custodian": "Kept in-house (for the data custodian only)",
+    "other": "Also not covered",
+}
+"""Group key -> title of the groups the not-covered items are shown in, in reading order."""
+
+CONFIG_PATHS_TEXT = "paths in the run configuration"
+"""What the config-path fields moved to the custodian report are, as one kept item."""
+
+
+def kept_in_house(report: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
+    """What this run keeps in the custodian report: ``(what it is, [dotted fields])``, once each.
+
+    Only fields this run has are listed: the shareable report's ``custodian.items`` (what
+    :func:`split_report` moved), or, in a full report, the :data:`CUSTODIAN_ONLY` fields that
+    hold a value. Fields that are the same thing (the public proxy's path, named twice) share
+    one entry; the config fields that hold paths are one entry.
+    """
+    items = (report.get("custodian") or {}).get("items")
+    fields = list(items) if isinstance(items, Mapping) else _present(report)
+    out: dict[str, list[str]] = {}
+    for dotted in fields:
+        if dotted.startswith("run.config."):
+            what = CONFIG_PATHS_TEXT
+        else:
+            what = str(CUSTODIAN_ONLY.get(dotted, (items or {}).get(dotted, dotted)))
+        out.setdefault(what, []).append(dotted)
+    return list(out.items())
+
+
+def _present(report: Mapping[str, Any]) -> list[str]:
+    """The :data:`CUSTODIAN_ONLY` fields of a full report that hold a value."""
+    found = []
+    for dotted in CUSTODIAN_ONLY:
+        node: Any = report
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is not None:
+            found.append(dotted)
+    return found
+
+
+def data_dependent_inputs(report: Mapping[str, Any]) -> list[str]:
+    """The bundle inputs whose values were computed from the private training data.
+
+    Read from ``data.bundle.data_dependent_inputs`` (one string per input, e.g.
+    ``"NormalizeIntensityd subtrahend=@ds_mean"``); empty for runs without a bundle.
+    """
+    bundle = (report.get("data") or {}).get("bundle")
+    values = bundle.get("data_dependent_inputs") if isinstance(bundle, Mapping) else None
+    return [str(v) for v in values or []]
+
+
 def not_covered(report: Mapping[str, Any]) -> list[str]:
     """Everything the stated (epsilon, delta) does not cover, one sentence each.
 
     Args:
         report: the (shareable or full) report.
     """
-    return [full for _, full in _not_covered_items(report)]
+    return [full for _, _, full in _not_covered_items(report)]
 
 
 def not_covered_summary(report: Mapping[str, Any]) -> list[str]:
     """The items of :func:`not_covered`, each in a few words (the plain-language summary)."""
-    return [short for short, _ in _not_covered_items(report)]
+    return [short for _, short, _ in _not_covered_items(report)]
 
 
-def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(short, full)`` statement of each thing the guarantee does not cover."""
+def not_covered_groups(report: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """What the guarantee does not cover, grouped, each item once: ``(title, [(short, full)])``.
+
+    The report's own list (``privacy.not_covered``) comes first: each sentence is matched with
+    the item :func:`not_covered` gives for this report (by its text, or by its opening words
+    when another version worded it), which names its group and its few-word form; a sentence
+    that matches none is shown in full under :data:`NOT_COVERED_GROUPS` ``["other"]``. An item
+    this report calls for that the list lacks is added to its group.
+    """
+    known = _not_covered_items(report)
+    stated = list((report.get("privacy") or {}).get("not_covered") or [])
+    by_full = {full: (group, short) for group, short, full in known}
+    by_start = {full[:_OPENING]: (group, short) for group, short, full in known}
+    groups: dict[str, list[tuple[str, str]]] = {key: [] for key in NOT_COVERED_GROUPS}
+    matched: set[str] = set()
+    for sentence in dict.fromkeys(stated):
+        found = by_full.get(sentence) or by_start.get(sentence[:_OPENING])
+        group, short = found or ("other", sentence)
+        if found is not None:
+            matched.add(short)
+        groups[group].append((short, sentence))
+    for group, short, full in known:
+        if short not in matched:
+            groups[group].append((short, full))
+    return [(NOT_COVERED_GROUPS[key], items) for key, items in groups.items() if items]
+
+
+_OPENING = 40
+
+
+def _custodian_sentence(report: Mapping[str, Any]) -> str:
+    kept = [what for what, _ in kept_in_house(report)]
+    if (report.get("task") or {}).get("kind") == "segmentation":
+        kept.append("slices of private images with their segmentations (overlays)")
+    kept.append("the results of `dpkfc-med evaluate`, when it is run")
+    return f"Everything under {PRIVATE_DIR}/ (for the data custodian only): {'; '.join(kept)}."
+
+
+def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(group, short, full)`` statement of each thing the guarantee does not cover."""
     p = report.get("privacy") or {}
     data = report.get("data") or {}
     last = (report.get("training") or {}).get("select_epoch") == "last"
     items = [
         (
+            "private",
             "any hyperparameter tuning on the private data"
             + (
                 ""
@@ -234,25 +336,41 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
             ),
         ),
         (
-            "the number of training units, which is treated as public",
+            "public",
+            "the number of training units",
             "The number of training units N (it sets the sample rate q = 1/ceil(N/B), the "
             "number of steps and delta) is treated as public, as in Opacus and the standard "
             "analysis of Poisson-subsampled Gaussian mechanisms.",
         ),
         (
-            f"the evaluations and training statistics kept in {PRIVATE_DIR}/ (computed from "
-            "the private data without noise, for the data custodian only)",
-            f"Everything under {PRIVATE_DIR}/ (for the data custodian only): "
-            + "; ".join(CUSTODIAN_ONLY.values())
-            + "; segmentation overlays and evaluations.",
+            "custodian",
+            f"everything under {PRIVATE_DIR}/ (statistics computed from the private data "
+            "without noise, and the data's paths)",
+            _custodian_sentence(report),
         ),
     ]
+    inputs = data_dependent_inputs(report)
+    if inputs:
+        items.insert(
+            1,
+            (
+                "private",
+                "the bundle inputs computed from the private training data ("
+                + ", ".join(inputs)
+                + ")",
+                "The bundle inputs computed from the private training data outside the private "
+                "mechanism: " + "; ".join(inputs) + ". The model depends on them, so the "
+                "release is valid only for the training mechanism; compute them from public "
+                "data (or set them by hand) to cover the whole model.",
+            ),
+        )
     if p.get("private"):
         rand = (p.get("randomness") or {}).get("source")
         if rand == "seeded":
             items.insert(
                 0,
                 (
+                    "nothing",
                     "anything at all, because the noise can be replayed from the published seed",
                     "NOTHING: this run's noise and sampling were seeded from a published seed "
                     "(privacy.reproducible_noise: true), so anyone can replay them; it is NOT a "
@@ -262,6 +380,7 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
         else:
             items.append(
                 (
+                    "assumed",
                     "flaws of the random number generator (ideal randomness is assumed)",
                     "Weaknesses of the random number generator: the guarantee assumes ideal "
                     "randomness; noise comes from "
@@ -277,6 +396,7 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     if isinstance(note, Mapping) and note.get("statement"):
         items.append(
             (
+                "weaker",
                 "patients with several images, beyond the weaker group-privacy bound",
                 str(note["statement"]),
             )
@@ -285,6 +405,7 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     if pre.get("uses_private_data"):
         items.append(
             (
+                "private",
                 "the preconditioner, which was built partly from private training images",
                 "The preconditioner: its public proxy shares images with the private training "
                 "set (probes.allow_public_overlap: true), so it depends on private records.",
@@ -294,6 +415,7 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     if isinstance(weights, Mapping):
         items.append(
             (
+                "public",
                 "the training of the pretrained weights the run started from (their data must "
                 "be public)",
                 "The pretrained weights the run started from (SHA-256 "
@@ -306,6 +428,7 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     if pre.get("external_data"):
         items.append(
             (
+                "public",
                 "the external public data used for the preconditioner",
                 "The external public data used for the preconditioner is not protected by this "
                 "guarantee (it is assumed public).",
@@ -315,7 +438,8 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     if logged:
         items.append(
             (
-                "what the bundle's own handlers logged",
+                "custodian",
+                f"what the bundle's own handlers ({', '.join(logged)}) logged during training",
                 f"What the bundle's own handlers ({', '.join(logged)}) logged during training "
                 "(e.g. the un-noised training loss) is computed from the private records without "
                 "noise and is not covered; it stays with the data custodian "

@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from dpkfc_med.report.custodian import data_dependent_inputs
 from dpkfc_med.report.document import (
     Banner,
     Block,
@@ -38,6 +39,7 @@ from dpkfc_med.report.statements import (
     plural,
     preconditioner_statement,
     q_text,
+    unit_detail,
 )
 
 __all__ = [
@@ -193,6 +195,7 @@ def data_section(report: Mapping[str, Any]) -> list[Block]:
     rows: list[tuple[Inline, Any]] = [
         ("Path", Span(data["path"]) if data.get("path") else "in the custodian report"),
         ("Privacy unit", data["privacy_unit"]),
+        *([("One unit is", unit_detail(data))] if unit_detail(data) else []),
         ("Units in the training set", data["num_train_units"]),
         ("Maximum samples per unit", data["max_samples_per_unit"]),
     ]
@@ -217,6 +220,16 @@ def data_section(report: Mapping[str, Any]) -> list[Block]:
             ),
             BulletList(list(bundle.get("replaced") or ["none"])),
         ]
+        inputs = data_dependent_inputs(report)
+        if inputs:
+            out += [
+                Paragraph(
+                    "Inputs of the bundle whose values were computed from the private training "
+                    "data, outside the private mechanism (not covered: the release is valid for "
+                    "the training mechanism only):"
+                ),
+                BulletList([Span(i) for i in inputs]),
+            ]
     return out
 
 
@@ -275,15 +288,16 @@ def _epsilon_history(report: Mapping[str, Any]) -> list[Block]:
     )
     if acc != "rdp" and rdp_at:
         text += (
-            " The RDP accountant's epsilon, an upper bound that is cheap to compute, is given "
-            "after every step (history.epsilon_rdp in the JSON report; the grey line of the "
-            "figure) and is what the progress bar shows during training."
+            " The RDP accountant's epsilon, a looser bound on the same mechanism that is cheap to "
+            "compute, is given after every step (history.epsilon_rdp in the JSON report; the "
+            "dashed grey line of the figure) and is what the progress bar shows during training; "
+            "it is not the stated epsilon."
         )
     records = []
     for step, value in zip(listed, values):
         row: dict[str, Any] = {"step": step, f"epsilon ({acc.upper()})": format_epsilon(value)}
         if acc != "rdp" and rdp_at:
-            row["epsilon (RDP upper bound)"] = format_epsilon(rdp_at.get(step))
+            row["epsilon (RDP, looser bound)"] = format_epsilon(rdp_at.get(step))
         records.append(row)
     return [Heading(3, "Epsilon history"), Paragraph(text), records_table(records)]
 

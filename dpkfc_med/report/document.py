@@ -18,6 +18,7 @@ __all__ = [
     "Box",
     "BulletList",
     "Code",
+    "Contents",
     "Heading",
     "Image",
     "Inline",
@@ -25,6 +26,7 @@ __all__ = [
     "Paragraph",
     "Span",
     "Table",
+    "anchor",
     "cell_of",
     "count_text",
     "fmt_value",
@@ -131,11 +133,21 @@ class Banner:
 
 @dataclass(frozen=True)
 class Box:
-    """The plain-language summary: a title and a few paragraphs, boxed (``kind`` sets colour)."""
+    """The plain-language summary: a title and a few paragraphs, boxed (``kind`` sets colour).
+
+    A paragraph may be a :class:`BulletList` (the not-covered groups of the first screen).
+    """
 
     title: str
-    paragraphs: Sequence[Inline]
+    paragraphs: Sequence[Inline | BulletList]
     kind: Literal["ok", "warning", "danger"] = "ok"
+
+
+@dataclass(frozen=True)
+class Contents:
+    """The list of the sections that follow it (its level-2 headings), each a link."""
+
+    titles: Sequence[str]
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,16 @@ class Code:
     summary: str = ""
 
 
-Block = Heading | Paragraph | BulletList | Banner | Box | Table | Image | Code
+Block = Heading | Paragraph | BulletList | Banner | Box | Contents | Table | Image | Code
+
+
+def anchor(title: str) -> str:
+    """A heading's link target, as GitHub makes it (``"what-to-keep-in-house"``).
+
+    Lower case, punctuation other than ``-`` and ``_`` dropped, spaces as hyphens.
+    """
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
 
 
 def cell_of(value: Any) -> Inline:

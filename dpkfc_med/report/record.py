@@ -35,8 +35,9 @@ GUARANTEE = (
     "per-unit gradients clipped to L2 norm C (after the probe-only preconditioner), with units "
     "drawn by Poisson sampling at rate q. The released model and everything derived from it are "
     "({eps}, {delta})-differentially private with respect to adding or removing one {unit} "
-    "(PRV accountant). The preconditioner is computed from synthetic probes and previously "
-    "released parameters only, so it is post-processing and costs no budget."
+    "({accountant} accountant, which planned the run). The preconditioner is computed from "
+    "synthetic probes and previously released parameters only, so it is post-processing and "
+    "costs no budget."
 )
 SEEDED_GUARANTEE = (
     f"{NOT_VALID}: no differential-privacy guarantee holds. The noise and the Poisson "
@@ -319,9 +320,10 @@ def _privacy(record: RunRecord) -> tuple[dict[str, Any], dict[str, Any] | None]:
                 SEEDED_GUARANTEE.format(seed=mech.seed)
                 if source == "seeded"
                 else GUARANTEE.format(
-                    eps=format_epsilon(eps["prv"]),
+                    eps=format_epsilon(eps.get(record.accountant, eps["max"])),
                     delta=f"{ledger.delta:g}",
                     unit=record.privacy_unit,
+                    accountant=record.accountant.upper(),
                 )
             ),
             "ledger": ledger.to_dict(),

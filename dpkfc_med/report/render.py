@@ -37,6 +37,7 @@ from dpkfc_med.report.document import (
     Block,
     Box,
     BulletList,
+    Contents,
     Heading,
     Image,
     Inline,
@@ -44,6 +45,7 @@ from dpkfc_med.report.document import (
     Paragraph,
     Span,
     Table,
+    anchor,
 )
 from dpkfc_med.report.plots import PLOT_FILES
 from dpkfc_med.report.statements import (
@@ -55,11 +57,12 @@ from dpkfc_med.report.statements import (
     guarantee_sentence,
     method_text,
     plural,
+    unit_head,
 )
 from dpkfc_med.report.summary import (
     audit_section,
     guarantee_section,
-    headline,
+    in_house_section,
     not_covered_section,
     plain_summary,
     summary_section,
@@ -86,6 +89,11 @@ __all__ = [
 def build_document(report: Mapping[str, Any]) -> list[Block]:
     """The report as a list of blocks, in reading order.
 
+    First the screen a data-protection officer reads (the loud banners, then the plain-words
+    box: verdict, who is protected, epsilon in context, what is not covered, what to keep
+    in-house), then a contents list, then the sections: what is not covered in full, what is
+    kept in-house, the summary table, the guarantee and the technical parts.
+
     Args:
         report: A valid report, as plain JSON data (see :func:`~dpkfc_med.report.to_json_data`).
 
@@ -93,7 +101,7 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
         Headings, paragraphs, banners, tables, images and code blocks.
     """
     run, p = report["run"], report["privacy"]
-    unit = report["data"]["privacy_unit"]
+    unit = unit_head(report["data"]["privacy_unit"])
     doc: list[Block] = [Heading(1, f"Privacy report: {run['name']}")]
     if report["status"] == "incomplete":
         doc.append(Banner("INCOMPLETE RUN", INCOMPLETE_NOTE, "warning"))
@@ -107,21 +115,24 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
             "Warning",
         )
         doc.append(Banner(title, text, "danger"))
-    doc += headline(report)
     doc.append(plain_summary(report))
-    doc += summary_section(report)
-    doc += guarantee_section(report)
-    # What a data-protection officer needs comes first; the technical detail follows.
-    doc += not_covered_section(report)
-    doc += audit_section(report)
-    doc += mechanism_section(report)
-    doc += preconditioner_section(report)
-    doc += data_section(report)
-    doc += model_section(report)
-    doc += curves_section(report)
-    doc += [Heading(2, "Hyperparameter tuning"), Paragraph(p["hyperparameter_tuning"])]
-    doc += reproducibility_section(report)
-    return doc
+    sections: list[Block] = [
+        *not_covered_section(report),
+        *in_house_section(report),
+        *summary_section(report),
+        *guarantee_section(report),
+        *audit_section(report),
+        *mechanism_section(report),
+        *preconditioner_section(report),
+        *data_section(report),
+        *model_section(report),
+        *curves_section(report),
+        Heading(2, "Hyperparameter tuning"),
+        Paragraph(p["hyperparameter_tuning"]),
+        *reproducibility_section(report),
+    ]
+    doc.append(Contents([b.text for b in sections if isinstance(b, Heading) and b.level == 2]))
+    return doc + sections
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
@@ -168,8 +179,14 @@ def _md_block(block: Block) -> str:
     if isinstance(block, Banner):
         return f"> **{block.title}:** {block.text}"
     if isinstance(block, Box):
-        paragraphs = [f"> {_md_inline(par)}" for par in block.paragraphs]
-        return f"> ### {block.title}\n>\n" + "\n>\n".join(paragraphs)
+        paragraphs = [
+            _md_block(par).replace("\n", "\n> ") if isinstance(par, BulletList) else _md_inline(par)
+            for par in block.paragraphs
+        ]
+        return f"> ### {block.title}\n>\n" + "\n>\n".join(f"> {par}" for par in paragraphs)
+    if isinstance(block, Contents):
+        links = [f"{i}. [{t}](#{anchor(t)})" for i, t in enumerate(block.titles, 1)]
+        return "## Contents\n\n" + "\n".join(links)
     if isinstance(block, Table):
         if not block.rows and not block.header:  # e.g. the epsilon history of a run of 0 steps
             return "_(none)_"
@@ -224,6 +241,13 @@ table.kv td:first-child { width: 34%; font-weight: 600; color: #32383f; }
            margin: 1.2rem 0 2rem; font-size: 1.02rem; }
 .summary h2 { border: none; margin: 0.7rem 0 0.4rem; padding: 0; font-size: 1.2rem; }
 .summary p { margin: 0.55rem 0; }
+.summary ul { margin: 0.2rem 0 0.55rem; }
+.summary li { margin: 0.15rem 0; }
+nav.contents { margin: 0 0 2rem; }
+nav.contents h2 { margin-top: 0; }
+nav.contents ol { margin: 0.4rem 0; padding-left: 1.6rem; columns: 2; column-gap: 2rem; }
+nav.contents li { margin: 0.15rem 0; break-inside: avoid; }
+a { color: #0b5cad; }
 .summary-ok { border-color: var(--ok); background: var(--ok-bg); }
 .summary-warning { border-color: var(--warn); background: var(--warn-bg); }
 .summary-danger { border-color: var(--danger); background: var(--danger-bg); }
@@ -272,7 +296,13 @@ def _html_inline(content: Inline) -> str:
 
 def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
     if isinstance(block, Heading):
-        return f"<h{block.level}>{html.escape(block.text)}</h{block.level}>"
+        ident = f' id="{anchor(block.text)}"' if block.level == 2 else ""
+        return f"<h{block.level}{ident}>{html.escape(block.text)}</h{block.level}>"
+    if isinstance(block, Contents):
+        links = "".join(
+            f'<li><a href="#{anchor(t)}">{html.escape(t)}</a></li>' for t in block.titles
+        )
+        return f'<nav class="contents"><h2>Contents</h2><ol>{links}</ol></nav>'
     if isinstance(block, Paragraph):
         return f"<p>{_html_inline(block.content)}</p>"
     if isinstance(block, BulletList):
@@ -283,7 +313,12 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
             f"{html.escape(block.text)}</div>"
         )
     if isinstance(block, Box):
-        paragraphs = "".join(f"<p>{_html_inline(par)}</p>" for par in block.paragraphs)
+        paragraphs = "".join(
+            _html_block(par, plots)
+            if isinstance(par, BulletList)
+            else f"<p>{_html_inline(par)}</p>"
+            for par in block.paragraphs
+        )
         return (
             f'<section class="summary summary-{block.kind}">'
             f"<h2>{html.escape(block.title)}</h2>{paragraphs}</section>"

@@ -7,13 +7,13 @@ sections share them. Epsilon is printed rounded *up*
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from dpkfc_med.methods import Method
-from dpkfc_med.report.document import (
-    fmt_value,
-)
+from dpkfc_med.report.custodian import data_dependent_inputs
+from dpkfc_med.report.document import fmt_value
 from dpkfc_med.report.numbers import format_delta, format_epsilon
 from dpkfc_med.report.schema import ACCOUNTANTS
 from dpkfc_med.report.wording import NO_GUARANTEE
@@ -25,9 +25,11 @@ __all__ = [
     "INCOMPLETE_NOTE",
     "NONPRIVATE_NOTE",
     "audit_sentence",
+    "epsilon_odds",
     "expected_batch_text",
     "guarantee_sentence",
     "method_text",
+    "other_accountants",
     "plural",
     "preconditioner_statement",
     "probe_summary",
@@ -37,6 +39,8 @@ __all__ = [
     "samples_text",
     "sampling_text",
     "steps_text",
+    "unit_detail",
+    "unit_head",
 ]
 
 
@@ -73,23 +77,73 @@ ACCOUNTANT_NAMES = {
 
 
 def guarantee_sentence(report: Mapping[str, Any]) -> str:
-    """The one-sentence (epsilon, delta) statement of the summary box."""
+    """The one-sentence (epsilon, delta) statement, by the accountant that planned the run.
+
+    The other accountants' bounds on the same mechanism are not part of it: they are shown
+    apart, labelled as such (:func:`other_accountants`).
+    """
     p, unit = report["privacy"], report["data"]["privacy_unit"]
     if not p["private"]:
-        return f"{NO_GUARANTEE}: " + NONPRIVATE_NOTE.format(units=plural(unit))
+        return f"{NO_GUARANTEE}: " + NONPRIVATE_NOTE.format(units=plural(unit_head(unit)))
     if (p.get("randomness") or {}).get("source") == "seeded":
         return str(p["guarantee"])  # no (epsilon, delta) claim: the noise can be replayed
     eps, primary = p["epsilon"], p["accountant"]
-    checks = []
-    for name in ACCOUNTANTS:
-        if name != primary:
-            prefix = "independent " if name == "pld" else ""
-            checks.append(f"{prefix}{name.upper()} cross-check: {format_epsilon(eps[name])}")
     return (
         f"(epsilon, delta) = ({format_epsilon(eps[primary])}, {format_delta(p['delta'])}) for the "
-        f"add/remove-one-{unit} relation, Poisson sampling at rate {q_text(report)}, "
-        f"{primary.upper()} accountant ({', '.join(checks)})"
+        f"add/remove-one-{unit_head(unit)} relation, Poisson sampling at rate {q_text(report)}, "
+        f"by the {primary.upper()} accountant that planned the run"
     )
+
+
+def other_accountants(report: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """The other accountants' bounds on the same mechanism: ``(name, epsilon, reading)``.
+
+    Each accountant bounds the epsilon of the one mechanism that ran; they differ only in how
+    tight the bound is. The stated figure is the planning accountant's; a larger figure here is
+    a looser bound, not a second privacy cost.
+    """
+    p = report["privacy"]
+    eps, primary = p["epsilon"], p["accountant"]
+    stated = format_epsilon(eps[primary])
+    rows = []
+    for name in ACCOUNTANTS:
+        if name == primary:
+            continue
+        shown = format_epsilon(eps[name])
+        diff = float(shown) - float(stated)
+        if diff > 0:
+            reading = f"a looser bound on the same mechanism ({diff:+.3f})"
+        elif diff < 0:
+            reading = f"a slightly tighter estimate, not stated ({diff:+.3f})"
+        else:
+            reading = "the same figure"
+        if name == "pld":
+            reading += "; an independent implementation (Google dp_accounting)"
+        rows.append((ACCOUNTANT_NAMES[name], shown, reading))
+    return rows
+
+
+def epsilon_odds(epsilon: float) -> str:
+    """``e^epsilon`` rounded up to two decimals: how far one unit can move an attacker's odds."""
+    value = math.exp(epsilon)
+    if value >= 100:
+        return f"{math.ceil(value):,}"
+    return f"{math.ceil(value * 100 - 1e-9) / 100:.2f}"
+
+
+def unit_head(unit: str) -> str:
+    """The unit's noun without its description: ``"patient (unit ids)"`` -> ``"patient"``."""
+    return unit.partition(" (")[0]
+
+
+def unit_detail(data: Mapping[str, Any]) -> str | None:
+    """Where the unit comes from, in words: ``data.unit_source``, else the unit's description."""
+    bundle = data.get("bundle") if isinstance(data.get("bundle"), Mapping) else {}
+    source = data.get("unit_source") or (bundle or {}).get("unit_source")
+    if source:
+        return str(source)
+    _, sep, tail = str(data["privacy_unit"]).partition(" (")
+    return tail.removesuffix(")") if sep else None
 
 
 def _seeds(refreshes: Sequence[Mapping[str, Any]]) -> str:
@@ -132,7 +186,7 @@ _FAMILY_TEXT = {
 def method_text(report: Mapping[str, Any]) -> str:
     """The method in one sentence, naming the preconditioner family when it is not K-FAC."""
     p, pre = report["privacy"], report.get("preconditioner")
-    text = Method(p["method"]).description.format(unit=report["data"]["privacy_unit"])
+    text = Method(p["method"]).description.format(unit=unit_head(report["data"]["privacy_unit"]))
     family = ((pre or {}).get("config") or {}).get("family", "kfac")
     if family in _FAMILY_TEXT:
         text = text.replace("a KFAC curvature estimate", _FAMILY_TEXT[family])
@@ -166,7 +220,10 @@ def preconditioner_statement(report: Mapping[str, Any]) -> str:
 def release_verdict(
     report: Mapping[str, Any],
 ) -> tuple[tuple[str, str], Literal["ok", "warning", "danger"]]:
-    """Whether the run is a valid DP release, as ``((headline, reason), box kind)``."""
+    """Whether the run is a valid DP release, as ``((headline, reason), box kind)``.
+
+    The headline is a full sentence (``"Valid DP release: yes."``); the reason follows it.
+    """
     p = report["privacy"]
     if (p.get("randomness") or {}).get("source") == "seeded":
         return (
@@ -196,21 +253,36 @@ def release_verdict(
             ),
             "danger",
         )
+    inputs = data_dependent_inputs(report)
+    if inputs:
+        return (
+            (
+                "Valid DP release: for the training mechanism only.",
+                "The training steps are private as stated below, but the model also depends on "
+                f"{plural('bundle input', len(inputs))} computed from the private training data "
+                f"outside them ({', '.join(inputs)}), which the guarantee does not cover.",
+            ),
+            "warning",
+        )
     if report["status"] != "complete":
+        stopped = (
+            "The run ended with an error before its planned steps"
+            if report["status"] == "failed"
+            else "The run stopped before its planned steps"
+        )
         return (
             (
                 "Valid DP release: not yet.",
-                "The run stopped before its planned steps; the privacy spent so far is as "
-                "stated, but the run is incomplete: continue it with --resume before releasing "
-                "its model.",
+                f"{stopped}; the privacy spent so far is as stated, but the run is incomplete: "
+                "continue it with --resume before releasing its model.",
             ),
             "warning",
         )
     return (
         (
-            "Valid DP release: yes,",
-            "at the (epsilon, delta) above, for the released model and everything this run "
-            "publishes, provided the items that are not covered are handled as described.",
+            "Valid DP release: yes.",
+            "The released model and everything this run publishes are covered by the guarantee "
+            "below, provided the items that are not covered are handled as described.",
         ),
         "ok",
     )
@@ -246,7 +318,9 @@ def plural(noun: str, count: float | None = None) -> str:
     """A noun phrase in the plural, or ``"<count> <noun>"`` in the number that agrees with it.
 
     Only the head of the phrase is inflected: the part before ``" ("``, each ``/``-separated
-    word of it. Examples: ``plural("image (MedMNIST)") == "images (MedMNIST)"``,
+    word of it, and of a phrase ``"<noun> of <what>"`` the noun only. Examples:
+    ``plural("image (MedMNIST)") == "images (MedMNIST)"``,
+    ``plural("item of train#dataset") == "items of train#dataset"``,
     ``plural("patient/volume") == "patients/volumes"``, ``plural("epoch", 1) == "1 epoch"``,
     ``plural("step", 2) == "2 steps"``, ``plural("epoch", 0.5) == "0.5 epochs"``,
     ``plural("canary", 3) == "3 canaries"``.
@@ -258,7 +332,8 @@ def plural(noun: str, count: float | None = None) -> str:
             as ``1``.
     """
     head, sep, tail = noun.partition(" (")
-    many = "/".join(_plural_word(w) for w in head.split("/")) + sep + tail
+    head, of, rest = head.partition(" of ")  # "item of train#dataset" -> "items of ..."
+    many = "/".join(_plural_word(w) for w in head.split("/")) + of + rest + sep + tail
     if count is None:
         return many
     text = str(count) if isinstance(count, int) else f"{count:.3g}"

@@ -1,7 +1,9 @@
 """The opening sections of the privacy report, what a data-protection officer reads first.
 
-The verdict, the plain-words box, the summary table, the guarantee, what it does not cover
-and the empirical audit.
+The first screen (:func:`plain_summary`: the verdict, who is protected, epsilon in context, what
+is not covered, what to keep in-house), then what the guarantee does not cover in full, what is
+kept in-house, the summary table, the guarantee with the other accountants' bounds, and the
+empirical audit.
 """
 
 from __future__ import annotations
@@ -9,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dpkfc_med.report.custodian import not_covered_summary
+from dpkfc_med.report.custodian import (
+    NOT_COVERED_GROUPS,
+    PRIVATE_DIR,
+    kept_in_house,
+    not_covered_groups,
+)
 from dpkfc_med.report.document import (
     Banner,
     Block,
@@ -25,13 +32,14 @@ from dpkfc_med.report.document import (
     records_table,
 )
 from dpkfc_med.report.numbers import format_delta, format_epsilon
-from dpkfc_med.report.schema import ACCOUNTANTS
 from dpkfc_med.report.statements import (
     ACCOUNTANT_NAMES,
     NONPRIVATE_NOTE,
     audit_sentence,
+    epsilon_odds,
     guarantee_sentence,
     method_text,
+    other_accountants,
     plural,
     preconditioner_statement,
     randomness_text,
@@ -39,62 +47,29 @@ from dpkfc_med.report.statements import (
     samples_text,
     sampling_text,
     steps_text,
+    unit_detail,
+    unit_head,
 )
 from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = [
     "audit_section",
     "guarantee_section",
-    "headline",
+    "in_house_section",
     "not_covered_section",
     "plain_summary",
     "summary_section",
 ]
 
 
-def headline(report: Mapping[str, Any]) -> list[Block]:
-    """The verdict line that opens the report, and the other accountants on a neutral line.
-
-    The verdict states the primary accountant's epsilon and what it is; the looser bounds of
-    the cross-check accountants are information, not a warning (a run calibrated to PRV always
-    has a larger RDP bound).
-    """
-    p = report["privacy"]
-    if not p["private"]:
-        return []  # the no-guarantee banner (NO_GUARANTEE) is the verdict
-    verdict, _ = release_verdict(report)
-    if (p.get("randomness") or {}).get("source") == "seeded":
-        return [Paragraph((Span(verdict[0], "strong"), " " + verdict[1]))]
-    eps, acc = p["epsilon"], p["accountant"]
-    unit = report["data"]["privacy_unit"]
-    line = (
-        Span(verdict[0].rstrip(","), "strong"),
-        f": epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])} per {unit}, "
-        f"by the {acc.upper()} accountant that planned this run; this is the figure the "
-        "guarantee states.",
-    )
-    others = [f"{name.upper()} {format_epsilon(eps[name])}" for name in ACCOUNTANTS if name != acc]
-    return [
-        Paragraph(line),
-        Paragraph(
-            "Other accountants, for reference (upper bounds on the same mechanism by other "
-            f"methods; looser bounds are expected): {', '.join(others)}."
-        ),
-    ]
-
-
-def plain_summary(report: Mapping[str, Any]) -> Box:
-    """A few sentences for a data-protection officer: who, against what, how much, what not.
-
-    Every statement is read off the report: the privacy unit and their number (``data``), the
-    epsilon, delta, target and accountant (``privacy``), what is not covered (the items of
-    ``privacy.not_covered``, in short), and whether the run is a valid DP release (private,
-    not seeded, preconditioner free of private data, complete).
-    """
-    p, data = report["privacy"], report["data"]
-    unit, n = data["privacy_unit"], data["num_train_units"]
-    head = unit.partition(" (")[0]
-    who = f"Who is protected: each {unit} of the training set ({plural(head, n)})."
+def _who(report: Mapping[str, Any]) -> str:
+    """Who is protected: the unit in words, singular and plural, with the group-privacy note."""
+    data = report["data"]
+    head, n = unit_head(data["privacy_unit"]), data["num_train_units"]
+    detail = unit_detail(data)
+    count = f"{n:,} {head if n == 1 else plural(head)}" if isinstance(n, int) else plural(head)
+    who = f"each {head} of the training set ({count}"
+    who += f"; {detail})." if detail else ")."
     note = data.get("unit_note")
     if isinstance(note, Mapping) and note.get("statement"):
         per = note.get("per_patient")
@@ -109,57 +84,118 @@ def plain_summary(report: Mapping[str, Any]) -> Box:
                 " A patient with several images is protected less (group privacy; see "
                 '"Patients with several images" below).'
             )
+    return who
+
+
+def _not_covered_short(report: Mapping[str, Any]) -> BulletList:
+    """The not-covered items in a few words, one line per group (the custodian's apart)."""
+    custodian = NOT_COVERED_GROUPS["custodian"]
+    return BulletList(
+        [
+            (Span(title, "strong"), ": " + "; ".join(short for short, _ in items) + ".")
+            for title, items in not_covered_groups(report)
+            if title != custodian
+        ]
+    )
+
+
+def _in_house(report: Mapping[str, Any]) -> Inline:
+    """What to keep in-house, in one sentence: the custodian items in short, and what to share."""
+    custodian = NOT_COVERED_GROUPS["custodian"]
+    groups = not_covered_groups(report)
+    kept = [short for title, items in groups if title == custodian for short, _ in items]
+    kept = kept or [f"everything under {PRIVATE_DIR}/"]
+    if not report["privacy"]["private"]:
+        return (
+            Span("Keep in-house:", "strong"),
+            " the model itself, like the private data, and " + "; ".join(kept) + ".",
+        )
+    return (
+        Span("Keep in-house:", "strong"),
+        " " + "; ".join(kept) + ". They must not leave the data custodian; only this report, "
+        "its epsilon plot and the model may be shared.",
+    )
+
+
+def plain_summary(report: Mapping[str, Any]) -> Box:
+    """The first screen, for a data-protection officer: verdict, who, how much, what not.
+
+    In this order: whether the run is a valid DP release (private, not seeded, preconditioner
+    free of private data, within its target, no input computed from the private data, complete);
+    who is protected (the unit in words and their number, ``data``); how much (the planning
+    accountant's epsilon, delta and target, ``privacy``, and what epsilon means); what the
+    guarantee does not cover (the groups of ``privacy.not_covered``, in short); what to keep
+    in-house. The other accountants' looser bounds are not here: they are in "Privacy guarantee".
+    """
+    p = report["privacy"]
+    head = unit_head(report["data"]["privacy_unit"])
+    who = _who(report)
     if not p["private"]:
         return Box(
             "In plain words",
             [
-                who.replace("Who is protected:", "Who would be protected:"),
-                "Against what: nothing. This model was trained without differential privacy "
-                "(no clipping, no noise); it may reveal information about individual training "
-                f"{plural(head)} and must be handled like the private data itself.",
                 (
                     Span("Valid DP release: no.", "strong"),
                     " Do not release this model or anything derived from it as private.",
                 ),
+                (Span("Who would be protected:", "strong"), " " + who),
+                (
+                    Span("Against what:", "strong"),
+                    " nothing. This model was trained without differential privacy (no clipping, "
+                    "no noise); it may reveal information about individual training "
+                    f"{plural(head)} and must be handled like the private data itself.",
+                ),
+                _in_house(report),
             ],
             "danger",
         )
-    eps, acc = p["epsilon"], p["accountant"]
+    eps, acc = p["epsilon"][p["accountant"]], p["accountant"]
+    verdict, kind = release_verdict(report)
     against = (
-        "Against what: anyone who obtains everything this run publishes (the released model, "
-        "this report and its epsilon plot), whatever else they know, can learn only a "
-        f"strictly limited amount about whether any one {head} was in the training set."
+        " Against anyone who obtains everything this run publishes (the released model, this "
+        "report and its epsilon plot), whatever else they know."
     )
-    spent = (
-        f"How much: epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])} "
-        f"after {plural('noisy training step', p['steps'])} ({acc.upper()} accountant), "
-        f"against a target of epsilon {format_epsilon(p['target_epsilon'])}. A smaller epsilon "
-        "means stronger protection; delta is the small probability allowed for the bound to "
-        "fail."
-    )
-    if format_epsilon(eps["max"]) != format_epsilon(eps[acc]):
-        spent += (
-            f" The most conservative of the three accountants computed gives "
-            f"{format_epsilon(eps['max'])}."
+    so_far = "" if report["status"] == "complete" else " so far"
+    target = p["target_epsilon"]
+    within = ""
+    if target is not None:
+        within = (
+            f", within the target of {format_epsilon(target)} set before training"
+            if eps <= target
+            else f", ABOVE the target of {format_epsilon(target)} set before training"
         )
-    not_covered = (
-        'Not covered (listed in full under "What the guarantee does not cover"): '
-        + "; ".join(not_covered_summary(report))
-        + "."
+    spent: Inline = (
+        Span("How much:", "strong"),
+        f" epsilon {format_epsilon(eps)} at delta {format_delta(p['delta'])}{so_far}, after "
+        f"{plural('noisy training step', p['steps'])}{within} ({acc.upper()} accountant, which "
+        "planned this run). In words: whatever an attacker knew before, everything this run "
+        f"publishes changes their odds of guessing whether any one {head} was in the training "
+        f"set by at most a factor of e^epsilon = {epsilon_odds(eps)}, except with probability "
+        "delta. A smaller epsilon means stronger protection.",
     )
     if (p.get("randomness") or {}).get("source") == "seeded":
         against = (
-            "Against what: nothing. The noise and the sampling were seeded from a seed this "
+            " Against what: nothing. The noise and the sampling were seeded from a seed this "
             "report publishes, so anyone can replay them and subtract the noise."
         )
         spent = (
-            f"How much: no guarantee. With secret randomness the same mechanism would have "
-            f"spent epsilon {format_epsilon(eps[acc])} at delta {format_delta(p['delta'])}."
+            Span("How much:", "strong"),
+            " no guarantee. With secret randomness the same mechanism would have spent epsilon "
+            f"{format_epsilon(eps)} at delta {format_delta(p['delta'])}.",
         )
-    verdict, kind = release_verdict(report)
     return Box(
         "In plain words",
-        [who, against, spent, not_covered, (Span(verdict[0], "strong"), " " + verdict[1])],
+        [
+            (Span(verdict[0], "strong"), " " + verdict[1]),
+            (Span("Who is protected:", "strong"), " " + who + against),
+            spent,
+            (
+                Span("Not covered", "strong"),
+                ' (in full under "What the guarantee does not cover"):',
+            ),
+            _not_covered_short(report),
+            _in_house(report),
+        ],
         kind,
     )
 
@@ -173,7 +209,7 @@ def summary_section(report: Mapping[str, Any]) -> list[Block]:
     if not p["private"]:
         guarantee = (
             Span(NO_GUARANTEE, "strong"),
-            ": " + NONPRIVATE_NOTE.format(units=plural(data["privacy_unit"])),
+            ": " + NONPRIVATE_NOTE.format(units=plural(unit_head(data["privacy_unit"]))),
         )
     rows: list[tuple[Inline, Any]] = [
         ("Status", status[report["status"]]),
@@ -204,7 +240,12 @@ def summary_section(report: Mapping[str, Any]) -> list[Block]:
 
 
 def guarantee_section(report: Mapping[str, Any]) -> list[Block]:
-    """The guarantee: its text, the neighbouring relation, delta, every accountant's epsilon."""
+    """The guarantee: its text, relation, delta, the stated epsilon, then the other accountants.
+
+    The stated epsilon is the planning accountant's, next to the target it was planned for; the
+    other accountants' bounds on the same mechanism follow under their own heading, labelled as
+    such (a looser bound is not a second cost, and is never set beside the target).
+    """
     p, data = report["privacy"], report["data"]
     out: list[Block] = [Heading(2, "Privacy guarantee"), Paragraph(p["guarantee"])]
     rows: list[tuple[Inline, Any]] = [
@@ -216,13 +257,15 @@ def guarantee_section(report: Mapping[str, Any]) -> list[Block]:
         ),
     ]
     if p["private"]:
-        eps = p["epsilon"]
+        acc = p["accountant"]
         rows.append(("delta", format_delta(p["delta"])))
-        for name in ACCOUNTANTS:
-            role = "primary" if name == p["accountant"] else "cross-check"
-            rows.append((f"epsilon, {ACCOUNTANT_NAMES[name]} [{role}]", format_epsilon(eps[name])))
-        rows.append(("epsilon, most conservative of the three", format_epsilon(eps["max"])))
-        rows.append(("Target epsilon", format_epsilon(p["target_epsilon"])))
+        rows.append(
+            (
+                f"epsilon, stated ({ACCOUNTANT_NAMES[acc]}, which planned this run)",
+                format_epsilon(p["epsilon"][acc]),
+            )
+        )
+        rows.append(("Target epsilon (the plan's)", format_epsilon(p["target_epsilon"])))
     rows += [
         ("Sampling", sampling_text(report)),
         ("Noise and sampling randomness", randomness_text(p)),
@@ -245,22 +288,31 @@ def guarantee_section(report: Mapping[str, Any]) -> list[Block]:
                 "so it is post-processing and consumes no privacy budget."
             )
         )
+    if p["private"] and (p.get("randomness") or {}).get("source") != "seeded":
+        out += [
+            Heading(3, "Other accountants: bounds on the same mechanism"),
+            Paragraph(
+                "Every accountant bounds the epsilon of the one mechanism that ran (the same "
+                "steps, noise and sampling); they differ only in how tight the bound is. The "
+                f"guarantee is stated by the {p['accountant'].upper()} accountant, which set "
+                "the noise for the target; a larger figure below is a looser bound on the same "
+                "mechanism, not more privacy spent. They are computed from the same ledger as a "
+                "check of the stated figure."
+            ),
+            Table(
+                ("Accountant", "epsilon", "Reading"),
+                [(name, value, reading) for name, value, reading in other_accountants(report)],
+            ),
+        ]
     return out
 
 
 def not_covered_section(report: Mapping[str, Any]) -> list[Block]:
-    """What the guarantee does not cover, the custodian-only items and the plans."""
+    """What the guarantee does not cover, grouped (each item once), and the plans."""
     p = report["privacy"]
-    items = p.get("not_covered") or []
     out: list[Block] = [Heading(2, "What the guarantee does not cover")]
-    if items:
-        out.append(BulletList(items))
-    cust = report.get("custodian") or {}
-    if cust:
-        out.append(Banner("Custodian only", cust["note"], "note"))
-        rows = [(Span(k), v) for k, v in (cust.get("items") or {}).items()]
-        if rows:
-            out.append(Table(("Kept in the custodian report", "What it is"), rows))
+    for title, items in not_covered_groups(report):
+        out += [Paragraph(Span(title, "strong")), BulletList([full for _, full in items])]
     plans = p.get("plan_history") or []
     if len(plans) > 1:
         out.append(Heading(3, "Sessions and plans"))
@@ -276,6 +328,34 @@ def not_covered_section(report: Mapping[str, Any]) -> list[Block]:
             for e in plans
         ]
         out.append(records_table(records))
+    return out
+
+
+def in_house_section(report: Mapping[str, Any]) -> list[Block]:
+    """What to keep in-house: the custodian folder, and each thing this run keeps there once."""
+    cust = report.get("custodian") or {}
+    out: list[Block] = [Heading(2, "What to keep in-house")]
+    if cust.get("note"):
+        out.append(Banner("Custodian only", cust["note"], "note"))
+    else:
+        out.append(
+            Paragraph(
+                f"Everything under {PRIVATE_DIR}/ is computed from the private records without "
+                "noise and must not leave the data custodian."
+            )
+        )
+    rows = [
+        (what, tuple(_joined([Span(f) for f in fields]))) for what, fields in kept_in_house(report)
+    ]
+    if rows:
+        out.append(Table(("Kept in the custodian report", "Report fields"), rows))
+    return out
+
+
+def _joined(spans: list[Span]) -> list[str | Span]:
+    out: list[str | Span] = []
+    for i, span in enumerate(spans):
+        out += [", ", span] if i else [span]
     return out
 
 

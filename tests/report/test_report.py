@@ -414,9 +414,11 @@ def test_markdown_states_the_guarantee(written):
     assert md.startswith("# Privacy report: breastmnist-dpkfc")
     assert (
         "(epsilon, delta) = (1.235, 1e-5) for the add/remove-one-image relation, Poisson "
-        "sampling at rate q = 0.1172, PRV accountant (RDP cross-check: 1.411, independent PLD "
-        "cross-check: 1.234)"
+        "sampling at rate q = 0.1172, by the PRV accountant that planned the run |"
     ) in md
+    # the other accountants: in the technical part, as bounds on the same mechanism
+    assert "### Other accountants: bounds on the same mechanism" in md
+    assert "| RDP (Opacus; Mironov 2017) | 1.411 | a looser bound on the same mechanism" in md
     assert (
         "No: built from synthetic probes only (ImageProbeSource, pink noise, exponent alpha = "
         "3.2, preset mammography, seeds 0-2)"

@@ -138,8 +138,8 @@ def test_headline_banners_audit_unit_note_and_eig_fallbacks_are_rendered():
     blocks = md.split("\n\n")
     assert blocks[1] == "> **NOT A VALID DP RELEASE:** NOT A VALID DP RELEASE: seeded noise."
     assert blocks[2].startswith("> **PRECONDITIONER USES PRIVATE DATA:** PRECONDITIONER")
-    # the cross-check accountants are information on a neutral line, never a banner
-    assert "Other accountants, for reference" in md and "disagree" not in md
+    # the cross-check accountants are information in the technical part, never a banner
+    assert "### Other accountants: bounds on the same mechanism" in md and "disagree" not in md
     assert (
         "| Empirical privacy audit | empirical lower bound 0.413 against the accounted 1.235 "
         "(one-run canary audit, 1000 canaries, confidence 0.95) |"

@@ -41,7 +41,7 @@ def per_step_report(**overrides):
 def _summary_text(report) -> str:
     md = render_markdown(report)
     start = md.index("> ### In plain words")
-    return md[start : md.index("## Summary")]
+    return md[start : md.index("## Contents")]
 
 
 # --------------------------------------------------------------------------- plain summary
@@ -49,22 +49,34 @@ def test_plain_summary_states_who_against_what_how_much_and_what_not():
     report = per_step_report()
     text = _summary_text(report)
     p = report["privacy"]
-    assert "Who is protected: each image of the training set (546 images)." in text
+    assert "**Who is protected:** each image of the training set (546 images)." in text
     assert "anyone who obtains everything this run publishes (the released model" in text
     assert (
-        f"epsilon {format_epsilon(p['epsilon']['prv'])} at delta {format_delta(p['delta'])} "
-        f"after 100 noisy training steps (PRV accountant), against a target of epsilon "
-        f"{format_epsilon(p['target_epsilon'])}"
+        f"epsilon {format_epsilon(p['epsilon']['prv'])} at delta {format_delta(p['delta'])}, "
+        f"after 100 noisy training steps, within the target of "
+        f"{format_epsilon(p['target_epsilon'])} set before training (PRV accountant, which "
+        "planned this run)"
     ) in text
-    assert "most conservative of the three accountants computed gives 1.411" in text
-    # the not-covered sentence lists, in short, exactly the items the JSON lists in full
+    # epsilon in context: how far one image can move an attacker's odds (e^1.235, rounded up)
+    assert "by at most a factor of e^epsilon = 3.44, except with probability delta" in text
+    # the looser bounds of the other accountants are not on the first screen
+    assert "1.411" not in text and "most conservative" not in text
+    # the not-covered items, in short and grouped (the custodian's under "Keep in-house")
     shorts = not_covered_summary(report)
     assert len(shorts) == len(not_covered(report))
-    assert 'Not covered (listed in full under "What the guarantee does not cover"): ' in text
-    assert "): " + "; ".join(shorts) + "." in text
-    assert "any hyperparameter tuning on the private data, and the choice of the released" in text
-    assert "evaluations and training statistics kept in private_not_for_release/" in text
-    assert "**Valid DP release: yes,**" in text
+    assert '**Not covered** (in full under "What the guarantee does not cover"):' in text
+    assert (
+        "> - **Uses of the private data outside the mechanism**: any hyperparameter tuning on "
+        "the private data, and the choice of the released epoch on the private validation split."
+    ) in text
+    assert "> - **Treated as public**: the number of training units." in text
+    for short in shorts:
+        assert text.count(short) == 1, short
+    assert (
+        "**Keep in-house:** everything under private_not_for_release/ (statistics computed from "
+        "the private data without noise, and the data's paths)."
+    ) in text
+    assert "**Valid DP release: yes.** The released model" in text
     assert plain_summary(report).kind == "ok"
 
 
@@ -106,7 +118,7 @@ def test_plain_summary_says_when_a_run_is_not_a_valid_release(change, verdict, k
 def test_plain_summary_of_a_nonprivate_run():
     report = example_nonprivate()
     text = _summary_text(report)
-    assert "Against what: nothing." in text and "**Valid DP release: no.**" in text
+    assert "**Against what:** nothing." in text and "**Valid DP release: no.**" in text
     assert "epsilon" not in text.lower()
     assert plain_summary(report).kind == "danger"
 
@@ -148,7 +160,7 @@ def test_epsilon_history_section_lists_the_steps_and_exact_values():
         "powers of two), the last step of every epoch and the last step taken: 9 values"
     ) in md
     assert "nothing is interpolated between them" in md
-    assert "| step | epsilon (PRV) | epsilon (RDP upper bound) |" in md
+    assert "| step | epsilon (PRV) | epsilon (RDP, looser bound) |" in md
     rdp = report["history"]["epsilon_rdp"]
     for step, value in zip(report["history"]["epsilon_step"], report["history"]["epsilon"]):
         assert f"| {step} | {format_epsilon(value)} | {format_epsilon(rdp[step - 1])} |" in md
@@ -338,11 +350,13 @@ def test_html_structure_lists_wrapped_tables_readable_cells_and_section_order():
     assert re.search(r"<details[^>]*><summary>[^<]*run configuration[^<]*</summary><pre>", page)
     # what a data-protection officer needs comes before the technical detail
     h2 = doc.h2
-    assert h2[:4] == [
+    assert h2[:6] == [
         "In plain words",
+        "Contents",
+        "What the guarantee does not cover",
+        "What to keep in-house",
         "Summary",
         "Privacy guarantee",
-        "What the guarantee does not cover",
     ], h2
     for technical in (
         "Empirical privacy audit",
