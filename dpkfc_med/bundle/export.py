@@ -218,16 +218,27 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
         "",
     ]
     if dp["private"]:
-        spent = dp["epsilon_spent"]
+        spent, acc = dp["epsilon_spent"], dp["accountant"]
+        stated = spent[acc]
+        within = "within" if stated <= dp["epsilon_target"] else "ABOVE"
+        # the guarantee is the planning accountant's figure; the others bound the same
+        # mechanism, so a larger one is a looser bound, never a second figure beside the target
+        others = ", ".join(
+            f"{k.upper()} {format_epsilon(v)} ("
+            + ("a looser bound" if v > stated else "a cross-check")
+            + ")"
+            for k, v in spent.items()
+            if k not in (acc, "max")
+        )
         lines += [
             f"- guarantee: {dp['guarantee']}",
-            f"- epsilon spent at delta {dp['delta']:g}: "
-            + ", ".join(f"{k} {format_epsilon(v)}" for k, v in spent.items())
-            + f" (target {dp['epsilon_target']:g}, accountant {dp['accountant']})",
+            f"- epsilon at delta {dp['delta']:g}: {format_epsilon(stated)} ({acc.upper()} "
+            f"accountant, which planned the run; {within} its target {dp['epsilon_target']:g})",
             f"- unit of privacy: {dp['unit_of_privacy']}; sampler {dp['sampler']} at rate "
             f"{dp['sample_rate']:.4g}; noise multiplier {dp['noise_multiplier']:.4g}; clip norm "
             f"{dp['max_grad_norm']:g}; {dp['steps']} steps",
             *[f"- WARNING: {w}" for w in dp["headline_warnings"]],
+            f"- other accountants, bounds on the same mechanism (not the stated epsilon): {others}",
         ]
     tuning = dp.get("tuning")
     if tuning:

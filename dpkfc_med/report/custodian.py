@@ -307,7 +307,8 @@ _OPENING = 40
 
 
 def _custodian_sentence(report: Mapping[str, Any]) -> str:
-    kept = [what for what, _ in kept_in_house(report)]
+    # each in a few words: the full descriptions are the custodian table's
+    kept = [what.partition(" (")[0] for what, _ in kept_in_house(report)]
     if (report.get("task") or {}).get("kind") == "segmentation":
         kept.append("slices of private images with their segmentations (overlays)")
     kept.append("the results of `dpkfc-med evaluate`, when it is run")
