@@ -23,6 +23,11 @@ runs the same mechanism as one process, spread over the ranks:
   and stops the run on every rank if any field differs: the accountant's figures hold only if
   every rank clips to the ``C`` and samples at the ``q`` rank 0 writes in the ledger (a rank
   clipping to ``10 C`` would let one unit move the noisy sum by far more than ``C``).
+* **The same units in the same order.** Ownership is by position, so the shards partition the
+  units only if every rank holds them in the same order: with the same ``N`` in another order a
+  unit can sit at an even position on one rank and an odd one on the other, be drawn by both
+  and move the noisy sum by ``2 C``. :func:`check_units_on_every_rank` compares a digest of
+  every rank's unit ids, in order (:func:`unit_ids_digest`), before the first step.
 * **Preconditioner.** Probes are data-free and the released parameters are the same on every
   rank, so every rank builds the same preconditioner; :func:`check_same_on_every_rank` checks
   its fingerprint after each refresh.
@@ -33,8 +38,9 @@ runs the same mechanism as one process, spread over the ranks:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -42,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, Subset
 
 from dpkfc_med.privacy.rng import secure_uniform
 
@@ -53,8 +59,11 @@ __all__ = [
     "all_reduce_sum",
     "check_mechanism_on_every_rank",
     "check_same_on_every_rank",
+    "check_units_on_every_rank",
     "mechanism_differences",
     "module_digests",
+    "unit_ids",
+    "unit_ids_digest",
 ]
 
 
@@ -289,3 +298,140 @@ def module_digests(module: nn.Module) -> dict[str, str]:
         data = t.detach().to("cpu").contiguous().reshape(-1)
         params.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return {"architecture": arch.hexdigest()[:16], "initial_parameters": params.hexdigest()[:16]}
+
+
+def _record_case_ids(dataset: Any) -> object:
+    records = getattr(dataset, "records", None)
+    if not isinstance(records, Sequence):
+        return None
+    ok = all(isinstance(r, Mapping) and "case_id" in r for r in records)
+    return [r["case_id"] for r in records] if ok else None
+
+
+_ID_SOURCES: tuple[tuple[str, Callable[[Any], object]], ...] = (
+    ("ids", lambda d: getattr(d, "ids", None)),  # a MONAI bundle's units (bundle/zoo_task.py)
+    ("names", lambda d: getattr(d, "names", None)),  # UnitImageDataset (data/units.py)
+    ("case_ids", lambda d: getattr(d, "case_ids", None)),  # a dataset that lists its cases
+    ("records[i]['case_id']", _record_case_ids),  # VolumeDataset (data/volumes.py)
+)
+"""Where a training set lists its unit ids in item order, tried in this order."""
+
+
+def _listed(value: object, n: int) -> list[str] | None:
+    """``value`` as ``n`` ids, or ``None`` if it is not a list of one id per item."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        return None
+    ids = [str(v) for v in value]
+    return ids if len(ids) == n else None
+
+
+def unit_ids(dataset: Any) -> tuple[list[str], str] | None:
+    """The unit id of every item of ``dataset``, in item order, and where they were read.
+
+    A :class:`~torch.utils.data.Subset` maps its ``indices`` through its dataset's ids;
+    otherwise the first source of :data:`_ID_SOURCES` that lists exactly ``len(dataset)`` ids
+    counts: ``ids``, ``names``, ``case_ids``, or the ``case_id`` of every entry of
+    ``records``.
+
+    Returns:
+        ``(ids, source)`` (e.g. ``(["p01", "p02"], "names")``), or ``None`` for a dataset that
+        names no ids (its items are the units, e.g. MedMNIST images).
+    """
+    if isinstance(dataset, Subset):
+        inner = unit_ids(dataset.dataset)
+        if inner is None:
+            return None
+        return [inner[0][int(i)] for i in dataset.indices], f"{inner[1]} through Subset.indices"
+    n = len(dataset)
+    for source, read in _ID_SOURCES:
+        ids = _listed(read(dataset), n)
+        if ids is not None:
+            return ids, source
+    return None
+
+
+def _tensor_bytes(h: Any, name: str, t: Tensor) -> None:
+    h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+
+
+def unit_ids_digest(dataset: Any) -> tuple[str, str]:
+    """A digest of ``dataset``'s units in item order, and what it was computed from.
+
+    Returns:
+        ``(digest, source)``: the first 16 hex characters of a SHA-256 of the number of items
+        and every unit id in order (:func:`unit_ids`), and the ids' source in words. A dataset
+        that names no ids falls back to what is known of it: the number of items, its type and
+        the bytes of its in-memory tensors in item order (``images`` and ``labels`` of a
+        MedMNIST split, ``tensors`` of a ``TensorDataset``, also through a ``Subset``). That
+        catches another order of in-memory images; a dataset with neither ids nor tensors is
+        compared by its length and type only, which cannot see another order.
+
+    Privacy:
+        The ids are private (patient ids); the digest only travels between the ranks of one
+        run and into an error message on the custodian's console, never into the ledger or a
+        report.
+    """
+    h = hashlib.sha256()
+    n = len(dataset)
+    found = unit_ids(dataset)
+    if found is not None:
+        ids, source = found
+        h.update(json.dumps({"n": n, "ids": ids}).encode())
+        return h.hexdigest()[:16], f"{n} unit ids from {source}"
+    # No ids: the items themselves are the units (e.g. MedMNIST images). Digest what is known
+    # without reading items (which may load files or run random transforms): the length, the
+    # type and the in-memory tensors, in item order.
+    h.update(f"n={n};".encode())
+    base, indices = dataset, None
+    if isinstance(dataset, Subset):
+        base, indices = dataset.dataset, torch.as_tensor(list(dataset.indices), dtype=torch.long)
+    h.update(type(base).__name__.encode())
+    known = [(a, getattr(base, a, None)) for a in ("images", "labels")]
+    known += [(f"tensors[{i}]", t) for i, t in enumerate(getattr(base, "tensors", ()))]
+    tensors = [(a, t) for a, t in known if isinstance(t, Tensor) and len(t) == len(base)]
+    for name, t in tensors:
+        _tensor_bytes(h, name, t if indices is None else t[indices])
+    what = " and ".join(a for a, _ in tensors) or "nothing else (no ids, no tensors)"
+    return h.hexdigest()[:16], f"no unit ids: {n} items, {type(base).__name__}, {what}"
+
+
+def check_units_on_every_rank(dataset: Any) -> None:
+    """Stop the run on every rank unless every rank holds the same units in the same order.
+
+    Every rank calls this once, before the first step, with its training set. The digests
+    (:func:`unit_ids_digest`) are gathered on every rank, so all of them reach the same verdict
+    and raise together. A single process returns at once.
+
+    Privacy guarantee:
+        Unit ``i`` belongs to rank ``i mod world_size`` *in each rank's own order*; only with
+        one order do the shards partition the units, so that each unit is drawn at most once
+        per step (by one rank) and moves the noisy sum by at most ``C``.
+
+    Raises:
+        MechanismMismatchError: naming every rank whose digest differs from rank 0's, both
+            digests, what each was computed from, and the fix.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = unit_ids_digest(dataset)
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    ref, ref_source = per_rank[0]
+    lines = [
+        f"rank {rank}'s training units have digest {digest} ({source}) where rank 0's have "
+        f"{ref} ({ref_source})"
+        for rank, (digest, source) in enumerate(per_rank)
+        if digest != ref
+    ]
+    if lines:
+        raise MechanismMismatchError(
+            "the processes of this run do not hold the same training units in the same order, "
+            "so a unit could be drawn by two ranks in one step (2 C, beyond what rank 0's "
+            "ledger accounts for):\n  "
+            + "\n  ".join(lines)
+            + "\nevery process must read the same data in the same order: the same data.path "
+            "contents and data.unit_ids file on every machine (compare them with sha256sum), "
+            "the same config, overrides and training.seed; no step was taken"
+        )

@@ -2,7 +2,11 @@
 
 Every rank trains the same configuration on the whole training set; the engine
 (:mod:`dpkfc_med.privacy.distributed`) shards the Poisson sampling, clips on each rank and adds
-one noise draw per step on rank 0, so every rank holds the same released parameters. Rank 0
+one noise draw per step on rank 0, so every rank holds the same released parameters. Each rank
+loads its data and, before the first step, compares a digest of its unit ids in order with
+every other rank's (:func:`~dpkfc_med.privacy.distributed.check_units_on_every_rank`): the
+shards are by position, so ranks holding the units in different orders could draw one unit
+twice in a step. Rank 0
 writes the run directory (model, ledger, report); the other ranks work in a temporary
 directory that is removed when they finish (on ``--resume`` it starts as a copy of rank 0's
 run directory, so every rank resumes from the same checkpoint). The processes meet on
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dpkfc_med.privacy.distributed import World
+from dpkfc_med.privacy.distributed import World, check_units_on_every_rank
 from dpkfc_med.training.config import ConfigError, RunConfig
 
 __all__ = [
@@ -80,13 +84,25 @@ def _rank_config(cfg: RunConfig, world: World, resume: bool) -> tuple[RunConfig,
 
 
 def train_on_this_rank(cfg: RunConfig, *, resume: bool = False, **kwargs: Any) -> Any:
-    """:func:`~dpkfc_med.training.run.train` as one rank of an initialised process group."""
+    """:func:`~dpkfc_med.training.run.train` as one rank of an initialised process group.
+
+    The rank's task (``kwargs["task"]``, else built from ``cfg`` and ``data_path``) is loaded
+    here and its training units compared with every rank's before ``train`` starts.
+
+    Raises:
+        MechanismMismatchError: on every rank, when the ranks' training units differ in ids or
+            order (both digests and the fix named).
+    """
     from dpkfc_med.training.run import train
+    from dpkfc_med.training.task_build import build_task
 
     world = World.current()
     own, tmp = _rank_config(cfg, world, resume)
     try:
-        return train(own, resume=resume, **kwargs)
+        task = kwargs.pop("task", None)
+        task = build_task(own, kwargs.get("data_path")) if task is None else task
+        check_units_on_every_rank(task.train_set)
+        return train(own, resume=resume, task=task, **kwargs)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

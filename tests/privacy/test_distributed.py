@@ -3,7 +3,9 @@
 Each test spawns two processes (bounded in time) that run the engine on the same data; the
 results come back through files and are checked against brute force in this process. Jobs may
 give rank 1 another mechanism (``"rank1"``: clip norm, sigma, model seed, caller's fields),
-which both ranks must refuse before the first step.
+which both ranks must refuse before the first step; a ``"train"`` job runs
+:func:`~dpkfc_med.training.distributed.train_on_this_rank` on a tiny config, rank 1 holding the
+same units in reverse order.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from dpkfc_med.privacy.distributed import (
     MechanismMismatchError,
@@ -83,8 +85,30 @@ def _steps(pm, popt, loader, *, steps, zero_loss=False, die_at=None):
     return drawn, grads
 
 
+def _run_train_job(rank, out, job):
+    """Train the job's config on this rank; rank 1's units are rank 0's in reverse order."""
+    from dpkfc_med.training.config import load_config
+    from dpkfc_med.training.distributed import train_on_this_rank
+    from dpkfc_med.training.task_build import build_task
+
+    result: dict = {"rank": rank}
+    try:
+        cfg = load_config(job["train"])
+        task = build_task(cfg)
+        if rank == 1:  # the same N units, read in another order (another folder listing)
+            task.train_set = Subset(task.train_set, list(range(len(task.train_set)))[::-1])
+        train_on_this_rank(cfg, task=task)
+    except Exception as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["refused"] = isinstance(err, MechanismMismatchError)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return "error" not in result or result["refused"]
+
+
 def _run_job(rank, out, job):
     out.mkdir(parents=True, exist_ok=True)
+    if "train" in job:
+        return _run_train_job(rank, out, job)
     result: dict = {"rank": rank, "steps": 0}
     popt = None
     try:
@@ -191,8 +215,12 @@ JOBS = {
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Every job of :data:`JOBS` on 2 gloo processes: ``(folder, results)``."""
+    from tests.training.test_cli_classification import _config
+
     folder = tmp_path_factory.mktemp("dist")
-    return folder, _spawn(folder, JOBS)
+    run = {"dir": str(folder / "train-order" / "run")}
+    train = _config(folder, method="dp-sgd", training={"epochs": 1, "threads": 1}, output=run)
+    return folder, _spawn(folder, {**JOBS, "train-order": {"train": str(train)}})
 
 
 def _brute(model, x, y, units):
@@ -297,6 +325,60 @@ def test_ranks_with_another_mechanism_are_refused_before_any_step(job, wanted, t
     if job == "differ-sigma-model":  # the other fields agree and are not named
         assert "max_grad_norm" not in res[0]["error"]
         assert "model_architecture" not in res[0]["error"]
+
+
+def test_ranks_holding_the_units_in_another_order_are_refused_before_any_step(two_ranks):
+    """Audit round 3: two ranks with the same N but the units in another order were accepted,
+    so a unit could be drawn by both ranks (2 C). Both ranks refuse, naming both digests and
+    the fix; rank 0's run spends nothing."""
+    folder, results = two_ranks
+    res = results["train-order"]
+    for rank in (0, 1):
+        assert res[rank] is not None and res[rank].get("refused"), res
+    error = res[0]["error"]
+    assert error == res[1]["error"]  # one verdict, on every rank
+    digests = re.findall(r"digest ([0-9a-f]{16})|rank 0's have ([0-9a-f]{16})", error)
+    assert len({d for pair in digests for d in pair if d}) == 2, error
+    assert "rank 1's training units have digest" in error and "same order" in error
+    assert "data.path contents" in error and "no step was taken" in error
+    run = folder / "train-order" / "run"
+    assert not (run / "model.pt").exists()
+    ledger = run / "ledger.json"
+    assert not ledger.exists() or json.loads(ledger.read_text())["steps"] == 0
+
+
+def test_unit_ids_are_read_in_item_order_from_every_kind_of_training_set():
+    """The ids each dataset type exposes (``names``, ``ids``, ``records``' case ids, a Subset's
+    indices); a dataset without ids falls back to its tensors, which see another order too."""
+    from dpkfc_med.bundle.zoo_task import _UnitItems
+    from dpkfc_med.data import load_segmentation_folder, resolve_data_path
+    from dpkfc_med.data.medmnist import TensorImageDataset
+    from dpkfc_med.data.units import UnitImageDataset
+    from dpkfc_med.data.volumes import VolumeDataset
+    from dpkfc_med.privacy.distributed import unit_ids, unit_ids_digest
+
+    x, y = _data()
+    groups = [torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([3, 4])]
+    patients = UnitImageDataset(x, y, groups, ["p1", "p0", "p2"])
+    bundle = _UnitItems({"b": [{}], "a": [{}], "c": [{}]}, None, seed=0)
+    root = resolve_data_path("msd_hippocampus", kind="dir")
+    first = sorted(p.name.removesuffix(".nii.gz") for p in (root / "labelsTr").iterdir())[:3]
+    volumes = VolumeDataset(load_segmentation_folder(root, case_ids=first), spatial_size=8)
+    assert unit_ids(patients) == (["p1", "p0", "p2"], "names")
+    assert unit_ids(bundle) == (["a", "b", "c"], "ids")
+    assert unit_ids(volumes) == (first, "records[i]['case_id']")
+    assert unit_ids(Subset(patients, [2, 0])) == (["p2", "p1"], "names through Subset.indices")
+    images = TensorImageDataset(x, y)
+    assert unit_ids(images) is None and unit_ids(TensorDataset(x, y)) is None
+    for ds in (patients, bundle, volumes, images, TensorDataset(x, y)):
+        n = len(ds)
+        digest, source = unit_ids_digest(ds)
+        assert unit_ids_digest(Subset(ds, list(range(n))))[0] == digest, source  # same order
+        assert unit_ids_digest(Subset(ds, list(range(n))[::-1]))[0] != digest, source
+    assert (
+        "no unit ids" in unit_ids_digest(images)[1]
+        and "images and labels" in (unit_ids_digest(images)[1])
+    )
 
 
 def test_mechanism_differences_name_every_field_value_and_rank():
