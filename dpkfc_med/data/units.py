@@ -27,14 +27,17 @@ Random transforms of a unit draw from :func:`unit_random_state`, a stream of tha
 (run seed, unit id, how often this unit was drawn before), never from a stream shared by all
 units: with a shared stream a unit's random crops would depend on how many other units the
 secret Poisson sampler drew before it, so its clipped gradient would depend on their
-membership.
+membership. The engine's look at the data's structure before the first step
+(:meth:`UnitDraws.looking`, a dataset's ``peek``) draws from a stream no training draw uses and
+counts nothing, so it never shifts a unit's draws either.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,9 @@ from torch.utils.data import Dataset
 from dpkfc_med.data.errors import DataValidationError
 
 __all__ = [
+    "LOOK_DRAW",
     "UnitCollate",
+    "UnitDraws",
     "UnitImageDataset",
     "as_unit_id_strings",
     "group_by_unit",
@@ -113,6 +118,46 @@ def reseed_for_unit(transform: Any, seed: int | None, unit_id: str, draw: int) -
     """
     if transform is not None and hasattr(transform, "set_random_state"):
         transform.set_random_state(state=unit_random_state(seed, unit_id, draw))
+
+
+LOOK_DRAW = -1
+"""The draw number of a look at the data's structure: no training draw (0, 1, ...) uses it."""
+
+
+class UnitDraws:
+    """How often each unit was drawn in this process; reseeds a transform for a unit's draw.
+
+    Draw ``k`` of unit ``u`` gets :func:`unit_random_state` ``(seed, u, k)``. Inside
+    :meth:`looking` a draw gets the look stream (:data:`LOOK_DRAW`) and counts nothing, so the
+    engine's first look at an item's structure leaves every unit's crops as they would be
+    without it.
+
+    Args:
+        seed: The run seed, or ``None`` for OS entropy.
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self.counts: dict[str, int] = {}
+        self._looks = 0
+
+    def reseed(self, transform: Any, unit_id: str) -> None:
+        """Reseed ``transform`` for the next draw of ``unit_id`` (a look draws apart)."""
+        if self._looks:
+            reseed_for_unit(transform, self.seed, unit_id, LOOK_DRAW)
+            return
+        draw = self.counts.get(unit_id, 0)
+        self.counts[unit_id] = draw + 1
+        reseed_for_unit(transform, self.seed, unit_id, draw)
+
+    @contextmanager
+    def looking(self) -> Iterator[None]:
+        """Within this block, draws are looks: the look stream, no count."""
+        self._looks += 1
+        try:
+            yield
+        finally:
+            self._looks -= 1
 
 
 def read_unit_ids_csv(path: str | Path, num_images: int, *, images_file: str = "") -> list[str]:
@@ -310,7 +355,7 @@ class UnitImageDataset(Dataset):
         self.names = list(names)
         self.transform = transform
         self.seed = seed
-        self._draws = [0] * len(self.groups)  # per unit: times drawn in this process
+        self.draws = UnitDraws(seed)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -320,12 +365,16 @@ class UnitImageDataset(Dataset):
         """The largest number of images of one unit (0 for an empty dataset)."""
         return max((len(g) for g in self.groups), default=0)
 
+    def peek(self, unit: int) -> dict[str, Any]:
+        """Item ``unit`` drawn from the look stream, counting no draw (its structure only)."""
+        with self.draws.looking():
+            return self[unit]
+
     def __getitem__(self, unit: int) -> dict[str, Any]:
         index = self.groups[unit]
         image = self.images[index]
         if self.transform is not None:
-            reseed_for_unit(self.transform, self.seed, self.names[unit], self._draws[unit])
-            self._draws[unit] += 1
+            self.draws.reseed(self.transform, self.names[unit])
             image = torch.stack([self.transform(im) for im in image])
         return {
             "image": image,

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from dpkfc_med.data.cases import SegmentationCases
 from dpkfc_med.data.errors import DataValidationError
 from dpkfc_med.data.transforms import segmentation_transforms
-from dpkfc_med.data.units import reseed_for_unit
+from dpkfc_med.data.units import UnitDraws
 
 __all__ = ["VolumeDataset"]
 
@@ -107,17 +107,21 @@ class VolumeDataset(Dataset):
             )
         self.transform = transform
         self.seed = seed
-        self._draws = [0] * len(self.records)  # per volume: times drawn in this process
+        self.draws = UnitDraws(seed)  # per volume: times drawn in this process
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def peek(self, index: int) -> dict[str, Any]:
+        """Item ``index`` drawn from the look stream, counting no draw (its structure only)."""
+        with self.draws.looking():
+            return self[index]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         record = dict(self.records[index])
         # The volume's own stream, never one shared by all volumes: with a shared stream its
         # patches would depend on how many other volumes the secret sampler drew before it.
-        reseed_for_unit(self.transform, self.seed, record["case_id"], self._draws[index])
-        self._draws[index] += 1
+        self.draws.reseed(self.transform, record["case_id"])
         try:
             out = self.transform(record)
         except Exception as err:

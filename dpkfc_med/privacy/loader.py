@@ -4,7 +4,9 @@ Privacy guarantee:
     Every privacy unit is drawn independently with probability ``q = 1 / len(data_loader)``
     at every step (Opacus' sampler, the OS CSPRNG in secure mode, or each rank's own units
     over several processes), the sampling the accountant models; a loader whose own sampling
-    the accountant cannot model is refused.
+    the accountant cannot model is refused. The loader's look at an item's structure (for the
+    collate of an empty batch) uses the dataset's ``peek`` where it has one, so it never uses up
+    a unit's draw of its random transforms (:func:`first_item`).
 """
 
 from __future__ import annotations
@@ -12,14 +14,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from opacus.data_loader import DPDataLoader
+from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World
 from dpkfc_med.privacy.rng import SecurePoissonSampler
 
-__all__ = ["check_loader_sampling", "poisson_loader"]
+__all__ = ["check_loader_sampling", "first_item", "poisson_loader"]
+
+
+def first_item(dataset: Any) -> Any:
+    """Item 0 of ``dataset``, as a look at its structure that uses up no unit's draw.
+
+    A dataset whose units draw their random transforms from per-unit streams counted per draw
+    (:class:`~dpkfc_med.data.units.UnitDraws`) defines ``peek(index)``: the item drawn from a
+    stream no training draw uses, counting nothing. Calling ``dataset[0]`` there would advance
+    the draw count of the unit that sorts first, so its crops would depend on whether another
+    unit sorts before it. Other datasets are indexed as usual.
+    """
+    peek = getattr(dataset, "peek", None)
+    return peek(0) if callable(peek) else dataset[0]
 
 
 def check_loader_sampling(data_loader: DataLoader) -> None:
@@ -73,15 +88,17 @@ def poisson_loader(
         raise ValueError("the training split is empty; private training needs at least one unit")
     sample_rate = 1 / len(data_loader)
     sharded = world is not None and world.distributed
-    first = dataset[0]
-    # (x, y) tuples get Opacus' empty-batch collate; a MONAI unit (a list of sample dicts, e.g.
-    # RandCropByPosNegLabeld's crops) has no tensor shape to copy, so its collate takes [] itself
+    first = first_item(dataset)
     if isinstance(first, (tuple, list)) and not any(isinstance(x, (dict, list)) for x in first):
-        dp = DPDataLoader.from_data_loader(data_loader, generator=generator)
-        if not secure and not sharded:
-            return dp
-        collate = dp.collate_fn
-    else:  # dict items (MONAI style): the caller's collate must handle an empty list
+        # (x, y) tuples: Opacus' empty-batch collate, its shapes from the look above (Opacus'
+        # own DPDataLoader would index dataset[0] itself, twice)
+        collate = wrap_collate_with_empty(
+            collate_fn=data_loader.collate_fn or default_collate,
+            sample_empty_shapes=[(0, *shape_safe(x)) for x in first],
+            dtypes=[dtype_safe(x) for x in first],
+        )
+    else:  # a MONAI unit (a list of sample dicts, e.g. RandCropByPosNegLabeld's crops) or a
+        # dict item has no tensor shape to copy: the caller's collate must take [] itself
         collate = data_loader.collate_fn
     sampler: Any
     if sharded:
@@ -101,6 +118,7 @@ def poisson_loader(
         collate_fn=collate,
         num_workers=data_loader.num_workers,
         pin_memory=data_loader.pin_memory,
+        generator=generator,  # the workers' base seed, as Opacus' DPDataLoader passes it
     )
     loader.sample_rate = sample_rate  # type: ignore[attr-defined]
     return loader

@@ -26,6 +26,7 @@ from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, Precondi
 from dpkfc_med.methods import Method
 from dpkfc_med.privacy.distributed import World, check_same_on_every_rank
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
+from dpkfc_med.privacy.loader import first_item
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.probes.sources import ProbeSource
 
@@ -72,7 +73,7 @@ class PreconditionerRefreshes:
 
     def _check_probe_shape(self, data_loader: DataLoader) -> Tensor:
         """Check one probe against the training data's shape; return that probe's input."""
-        first = data_loader.dataset[0]
+        first = first_item(data_loader.dataset)
         x = first[0] if isinstance(first, (tuple, list)) else first.get("image")  # type: ignore[union-attr]
         assert self.probe_source is not None  # checked in make_private
         probe = self.probe_source.sample(1, seed=0, model=self._probe_module())
