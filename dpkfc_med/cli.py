@@ -187,6 +187,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="dp-kfc, dp-sgd or nonprivate (default: the bundle's private_training, else dp-kfc)",
     )
     t.add_argument("--unit-key", default=None, help="data-list key of the unit (patient) id")
+    t.add_argument(
+        "--allow-data-dependent",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="train although the value at bundle id ID is computed from the private data lists "
+        "(e.g. a dataset-wide mean); the report lists it as not covered (refused otherwise)",
+    )
     t.add_argument("--out", default=None, help="run directory (default runs/<bundle name>)")
     t.add_argument(
         "--override",
@@ -347,7 +355,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     from dpkfc_med.privacy.selection import TrialCount
-    from dpkfc_med.training.tune import parse_grid, run_tuning
+    from dpkfc_med.training.tune import TUNING_LEDGER, parse_grid, run_tuning
 
     if args.epsilon is None:
         print("error: tune needs --epsilon (the total for the whole tuning)", file=sys.stderr)
@@ -364,14 +372,21 @@ def _tune(args: argparse.Namespace) -> int:
 
     p = record["plan"]
     print(
-        f"tuning: {record['count']} trial(s) drawn ({p['trials_in_words']}); epsilon "
-        f"{format_epsilon(p['epsilon'])} at delta {p['delta']:g} for the whole tuning"
+        f"tuning: epsilon {format_epsilon(p['epsilon'])} at delta {p['delta']:g} for the whole "
+        f"tuning ({p['trials_in_words']})"
     )
+    # The number of trials and the released trial's index stay with the custodian: the bound
+    # assumes both hidden, so no shareable file holds them (this console is the custodian's).
+    private = f"{out}/{TUNING_LEDGER}"
     if record["selected"] is None:
         print("released: nothing (no trial)")
     else:
         best = record["trials"][record["selected"]]
-        print(f"released: {out}/model.pt, trial {best['index']} {best['params']}")
+        print(f"released: {out}/model.pt {best['params']}")
+        print(
+            f"custodian only, never publish: trial {best['index']} of {record['count']} drawn "
+            f"({private})"
+        )
     print(f"report: {out}/tuning_report.md")
     if record["selected"] is not None:
         print(f"bundle: dpkfc-med bundle export {out} BUNDLE_DIR")
@@ -434,6 +449,7 @@ def _bundle(args: argparse.Namespace) -> int:
             out=args.out,
             overrides=args.override,
             settings=args.settings,
+            allow_data_dependent=args.allow_data_dependent,
             resume=args.resume,
         )
         eps = (

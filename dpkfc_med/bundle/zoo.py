@@ -36,12 +36,22 @@ from typing import Any
 
 from torch import nn
 
+from dpkfc_med.bundle.guards import (
+    REPLACED_HANDLERS,
+    check_data_dependence,
+    evaluation_overlap,
+    label_problems,
+    output_problems,
+    user_handlers,
+)
 from dpkfc_med.bundle.zoo_task import (
     BundleConfigError,
     bundle_task,
+    component_error,
     config_value,
     has_id,
     network_format,
+    unit_source,
 )
 
 __all__ = [
@@ -59,7 +69,6 @@ BUNDLE_MODEL_PREFIX = "bundle:"
 """``model.name`` of a bundle run: ``bundle:<bundle folder>#network_def``."""
 BUNDLE_OPTIONS = "bundle_options.json"
 """How a bundle run was prepared, in its custodian folder (for ``dpkfc-med evaluate``)."""
-REPLACED_HANDLERS = ("CheckpointSaver", "ValidationHandler", "LrScheduleHandler")
 
 
 def _train_file(bundle: Path) -> Path:
@@ -185,6 +194,7 @@ def prepare_bundle(
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
     settings: Sequence[str] = (),
+    allow_data_dependent: Sequence[str] = (),
 ) -> PreparedBundle:
     """Read, check and translate a bundle for the private engine.
 
@@ -200,6 +210,9 @@ def prepare_bundle(
         out: The run directory (default ``runs/<bundle name>``).
         overrides: ``ID=VALUE`` settings of the bundle config (MONAI ids, ``#`` separated).
         settings: ``--set``-style settings of the private run (``privacy.max_grad_norm=0.5``).
+        allow_data_dependent: Ids of training inputs computed from the private data lists
+            (:func:`~dpkfc_med.bundle.guards.data_dependent_inputs`) to train with anyway,
+            each listed in the report as not covered; any other such input is refused.
 
     The bundle's ``private_training`` section (run-config fields: ``method``, ``privacy``,
     ``training``, ``pretrain``, ``probes``, ``preconditioner``, ``data`` statements such as
@@ -261,17 +274,31 @@ def prepare_bundle(
     seed = None if cfg.privacy.secure_rng else cfg.training.seed
     task = bundle_task(parser, bundle, unit_key, seed, fmt)
     # built from the resolved definition the export rebuilds, so both are one network
-    network = ConfigParser({"net": raw["model"]["kwargs"]["network_def"]}).get_parsed_content("net")
+    try:
+        network = ConfigParser({"net": raw["model"]["kwargs"]["network_def"]}).get_parsed_content(
+            "net"
+        )
+    except Exception as err:
+        raise BundleConfigError([component_error("network_def", err)]) from err
     if not isinstance(network, nn.Module):
         raise BundleConfigError(["network_def: the bundle's network_def is not a torch module"])
+    problems = output_problems(
+        network, task.in_channels, list(task.spatial_shape), task.num_classes
+    )
+    if problems:
+        raise BundleConfigError(problems)
     network, fixes = make_private_compatible(network, norm=cfg.model.norm)
     validate_private_compatible(network)
-    handlers, logged = _user_handlers(parser, cfg.run_dir())
+    handlers, logged = user_handlers(parser, cfg.run_dir())
+    accepted = check_data_dependence(parser, allow_data_dependent)
+    evaluation_overlap(parser, train_items(task))
     task.data_record["bundle"] = {
         "name": parser.get("_meta_#name", name) if has_id(parser, "_meta_") else name,
         "version": parser.get("_meta_#version") if has_id(parser, "_meta_") else None,
         "replaced": replaced,
         "custodian_handlers": logged,
+        "unit_source": unit_source(unit_key),
+        "data_dependent_inputs": accepted,
     }
     options = {
         "bundle_dir": str(bundle.resolve()),
@@ -281,10 +308,16 @@ def prepare_bundle(
         "unit_key": unit_key,
         "overrides": list(overrides),
         "settings": list(settings),
+        "allow_data_dependent": list(allow_data_dependent),
     }
     return PreparedBundle(
         cfg, task, network, [_fix_dict(f) for f in fixes], handlers, replaced, options, parser
     )
+
+
+def train_items(task: Any) -> list[Any]:
+    """The training data-list items of a prepared bundle task, unit by unit."""
+    return [item for uid in task.train_set.ids for item in task.train_set.units[uid]]
 
 
 _FROM_COMPONENTS = ("name", "model", "output", "data#path", "data#task")
@@ -322,42 +355,6 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
             base[key] = value
 
 
-def _user_handlers(parser: Any, run_dir: Path) -> tuple[list[Any], list[str]]:
-    """The bundle's own handlers that stay (``StatsHandler``, TensorBoard, MLflow).
-
-    The replaced ones (:data:`REPLACED_HANDLERS`) are dropped from ``train#handlers`` and
-    ``validate#handlers``. What the others log is un-noised private statistics: their output
-    folders move into the run's custodian folder, and the report lists them as not covered.
-
-    Returns:
-        The instantiated train handlers (to attach to the private trainer) and the names of
-        every handler kept in either section.
-    """
-    from dpkfc_med.report.custodian import PRIVATE_DIR
-
-    names: list[str] = []
-    for section in ("train#handlers", "validate#handlers"):
-        if not has_id(parser, section):
-            continue
-        kept = []
-        for h in parser[section] or []:
-            target = str(h.get("_target_", "")) if isinstance(h, dict) else ""
-            name = target.rsplit(".", 1)[-1]
-            if not name or name in REPLACED_HANDLERS:
-                continue
-            h = dict(h)
-            folder = run_dir / PRIVATE_DIR / f"{section.split('#')[0]}_{name}"
-            if name.startswith("TensorBoard"):
-                h["log_dir"] = str(folder)
-            elif name.startswith("MLFlow"):
-                h["tracking_uri"] = folder.resolve().as_uri()
-            kept.append(h)
-            names.append(name if section.startswith("train") else f"{name} (validation)")
-        parser[section] = kept
-    handlers = list(config_value(parser, "train#handlers", []) or [])
-    return handlers, names
-
-
 def train_bundle(bundle_dir: str | Path, *, resume: bool = False, **options: Any) -> Any:
     """Train the bundle in ``bundle_dir`` privately; returns the run result.
 
@@ -371,6 +368,11 @@ def train_bundle(bundle_dir: str | Path, *, resume: bool = False, **options: Any
     from dpkfc_med.utils import write_json
 
     b = prepare_bundle(bundle_dir, **options)
+    # before any budget is spent: a label the loss cannot take would crash a later step
+    items = config_value(b.parser, "train#dataset#data", [])
+    problems = label_problems(b.parser, items, b.task.num_classes, b.task.kind == "segmentation")
+    if problems:
+        raise BundleConfigError(problems)
     result = train(
         b.cfg,
         resume=resume,

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from dpkfc_med.data.units import reseed_for_unit
+from dpkfc_med.data.units import UnitDraws
 from dpkfc_med.training.config import ConfigError
+from dpkfc_med.utils import did_you_mean
 
 __all__ = ["BundleConfigError", "bundle_task", "config_value", "has_id", "network_format"]
 
@@ -40,11 +42,65 @@ class BundleConfigError(ConfigError):
 
 
 def config_value(parser: Any, key: str, default: Any = None) -> Any:
-    """The parsed (instantiated) content of ``key``, or ``default`` when the id is absent."""
+    """The parsed (instantiated) content of ``key``, or ``default`` when the id is absent.
+
+    Raises:
+        BundleConfigError: The content cannot be built (a misspelled ``_target_``, a wrong
+            argument); names the id, MONAI's reason and, for an unknown class, the closest
+            MONAI or torch name.
+    """
     try:
         return parser.get_parsed_content(key, instantiate=True)
     except KeyError:
         return default
+    except BundleConfigError:
+        raise
+    except Exception as err:
+        raise BundleConfigError([component_error(key, err)]) from err
+
+
+def component_error(key: str, err: BaseException) -> str:
+    """One line for a bundle component MONAI could not build: the id, the reason, the fix."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    match = re.search(r"Cannot locate class or function path: '([^']+)'", str(err))
+    if match:
+        name = match.group(1)
+        return (
+            f"{key}: _target_ {name!r} is not a class MONAI or torch can find"
+            f"{_closest(name.rsplit('.', 1)[-1])}; give a MONAI name (UNet, DiceCELoss, "
+            "LoadImaged, ...) or a full import path (package.module.Class)"
+        )
+    cause = err.__cause__ or err.__context__
+    detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    return (
+        f"{key}: MONAI could not build it ({type(err).__name__}: {text}){detail}; fix its "
+        "arguments in the bundle's train config (python -m monai.bundle run shows the same)"
+    )
+
+
+def _closest(name: str) -> str:
+    """`` (did you mean 'UNet'?)`` among MONAI's networks, losses, transforms and handlers."""
+    import monai.handlers
+    import monai.losses
+    import monai.networks.nets
+    import monai.transforms
+    import torch.optim
+
+    names: dict[str, str] = {}
+    for module in (
+        monai.networks.nets,
+        monai.losses,
+        monai.transforms,
+        monai.handlers,
+        torch.optim,
+    ):
+        for n in dir(module):
+            if n[:1].isupper():  # an alias (Unet, LoadImageD) under its class's own name
+                own = getattr(getattr(module, n), "__name__", n)
+                names[n.lower()] = own if own.lower() == n.lower() else n
+    hint = did_you_mean(name, names)
+    close = re.search(r"'([^']+)'", hint)
+    return f" (did you mean {names[close.group(1)]!r}?)" if close else ""
 
 
 def has_id(parser: Any, key: str) -> bool:
@@ -69,16 +125,19 @@ class _UnitItems(Dataset):
     def __init__(self, units: dict[str, list[Any]], transform: Any, seed: int | None) -> None:
         self.ids = sorted(units)
         self.units, self.transform, self.seed = units, transform, seed
-        self.draws: dict[str, int] = {}
+        self.draws = UnitDraws(seed)
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def peek(self, index: int) -> list[dict[str, Any]]:
+        """Item ``index`` drawn from the look stream, counting no draw (its structure only)."""
+        with self.draws.looking():
+            return self[index]
+
     def __getitem__(self, index: int) -> list[dict[str, Any]]:
         uid = self.ids[index]
-        draw = self.draws.get(uid, 0)
-        self.draws[uid] = draw + 1
-        reseed_for_unit(self.transform, self.seed, uid, draw)
+        self.draws.reseed(self.transform, uid)
         samples: list[dict[str, Any]] = []
         for item in self.units[uid]:
             out = self.transform(dict(item)) if self.transform is not None else dict(item)
@@ -198,6 +257,16 @@ def data_digest(data: Any) -> str:
     return h.hexdigest()
 
 
+def item_id(item: Any) -> str:
+    """A data-list item's unit id when no unit key is given: a digest of the item alone.
+
+    The id is a function of the item's own entry (its file paths and values), never of its
+    position in the list, so adding or removing another item leaves every other unit's id, and
+    therefore its random crops (keyed by seed, unit id and draw), unchanged.
+    """
+    return f"item-{data_digest(item)[:16]}"
+
+
 def _units(data: Any, unit_key: str | None) -> dict[str, list[Any]]:
     if not isinstance(data, list) or not data:
         raise BundleConfigError(
@@ -205,6 +274,8 @@ def _units(data: Any, unit_key: str | None) -> dict[str, list[Any]]:
              "private engine samples its items (set it, or --override dataset_dir=...)"]
         )  # fmt: skip
     units: dict[str, list[Any]] = {}
+    seen: dict[str, int] = {}
+    problems: list[str] = []
     for i, item in enumerate(data):
         if not isinstance(item, dict):
             raise BundleConfigError(
@@ -217,9 +288,47 @@ def _units(data: Any, unit_key: str | None) -> dict[str, list[Any]]:
                 [f"--unit-key {unit_key!r}: item {i} of train#dataset#data has no such key; "
                  "give every item the unit (patient) id, or drop --unit-key"]
             )  # fmt: skip
-        uid = str(item[unit_key]) if unit_key is not None else f"item{i:06d}"
+        digest = data_digest(item)
+        if digest in seen:
+            problems.append(
+                f"train#dataset#data: item {i} ({_item_name(item)}) repeats item {seen[digest]}; "
+                "an item listed twice would make that patient count twice (2 C); remove the "
+                "repeat"
+            )
+            continue
+        seen[digest] = i
+        uid = str(item[unit_key]) if unit_key is not None else item_id(item)
         units.setdefault(uid, []).append(item)
+    if problems:
+        raise BundleConfigError(problems)
     return units
+
+
+def unit_noun(unit_key: str | None) -> str:
+    """The privacy unit in words: ``"image"`` (one data-list item), else the unit key's name.
+
+    ``patient_id`` / ``PatientID`` / ``patient`` read "patient"; other keys read as themselves
+    with underscores as spaces.
+    """
+    if not unit_key:
+        return "image"
+    stem = re.sub(r"[_\- ]?id$", "", unit_key, flags=re.IGNORECASE) or unit_key
+    return stem.replace("_", " ").strip().lower() if stem.lower() != stem.upper() else stem
+
+
+def unit_source(unit_key: str | None) -> str:
+    """Where a bundle's unit comes from, in words (the report's neighbouring relation)."""
+    if not unit_key:
+        return "one item of train#dataset#data (one image with its label)"
+    return f"all items of train#dataset#data sharing the data-list key {unit_key!r}"
+
+
+def _item_name(item: dict[str, Any]) -> str:
+    """A short name of a data-list item for messages: its image entry, else its keys."""
+    image = item.get("image")
+    if isinstance(image, (list, tuple)) and image:
+        image = image[0]
+    return Path(str(image)).name if isinstance(image, (str, Path)) else f"keys {sorted(item)}"
 
 
 def bundle_task(
@@ -289,9 +398,7 @@ def bundle_task(
             "unit_key": unit_key,
         },
         selection_metric=_key_metric(parser),
-        privacy_unit=f"item of train#dataset ({unit_key} group)"
-        if unit_key
-        else "item of train#dataset",
+        privacy_unit=unit_noun(unit_key),
         max_samples_per_unit=1,
         max_samples_public=False,
         intensity="zscore",
