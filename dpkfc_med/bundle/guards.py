@@ -78,8 +78,8 @@ REFUSED_HANDLERS = {
     "ParamSchedulerHandler": "it changes the optimizer's settings outside the privacy plan; use "
     "training.lr_schedule",
     "CheckpointLoader": "it would load weights the report does not record; start from "
-    "pretrained weights with model.pretrained (private_training#model is refused, so use "
-    "--set model.pretrained=PATH)",
+    "pretrained weights with --set model.pretrained=PATH (and model.pretrained_source=...), "
+    "which checks them key by key and names them in the report",
 }
 
 

@@ -9,7 +9,9 @@ with ``torch.load(weights_only=True)``: an external pickle cannot run code.
 Privacy guarantee:
     The weights are an input of the mechanism, not an output: a run's (epsilon, delta) covers
     its private fine-tuning only, and the weights must not come from the private records. The
-    report names them by SHA-256 digest and the user's statement of their source.
+    report names them by SHA-256 digest and the user's statement of their source. Weights
+    whose own run record (the custodian report beside a run's ``model.pt``) shows they were
+    trained on data with this run's fingerprint are refused (:func:`same_data_problems`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from torch import Tensor, nn
 
 from dpkfc_med.data.paths import sha256_file
 
-__all__ = ["PretrainedWeightsError", "compile_patterns", "load_pretrained", "read_pretrained"]
+__all__ = [
+    "PretrainedWeightsError",
+    "compile_patterns",
+    "load_pretrained",
+    "read_pretrained",
+    "same_data_problems",
+]
+
+RUN_RECORD = Path("private_not_for_release") / "custodian_report.json"
+"""Where a run keeps its data fingerprint, relative to its folder (the run's ``model.pt``)."""
 
 log = logging.getLogger("dpkfc_med")
 
@@ -255,3 +266,41 @@ def _map_classes(
             "entry per output class of the network"
         )
     return out
+
+
+def same_data_problems(path: str | Path | None, fingerprints: dict[str, str] | None) -> list[str]:
+    """Refusal lines when weights were trained on data with this run's fingerprint.
+
+    A run's ``model.pt`` has its run record beside it (:data:`RUN_RECORD`, custodian-only);
+    when that record's data fingerprint (``data.sha256``) shares a digest with this run's,
+    the weights were trained on these private records: the guarantee would cover the
+    fine-tuning while the start already holds the data, so the run is refused. Weights
+    without a run record (a public release, an exported bundle) cannot be checked here; the
+    user's statement of their source (``model.pretrained_source``) is what the report shows.
+
+    Args:
+        path: ``model.pretrained`` (a weights file or a bundle folder), or ``None``.
+        fingerprints: This run's data fingerprint (name -> SHA-256).
+    """
+    import json
+
+    if not path or not fingerprints:
+        return []
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    record = folder / RUN_RECORD
+    if not record.is_file():
+        return []
+    try:
+        theirs = (json.loads(record.read_text(encoding="utf-8")).get("data") or {}).get("sha256")
+    except (OSError, ValueError):
+        return []
+    shared = sorted(set((theirs or {}).values()) & set(fingerprints.values()))
+    if not shared:
+        return []
+    return [
+        f"{p}: these weights were trained on this run's private data (their run record "
+        f"{record} has the same data fingerprint, SHA-256 {shared[0][:16]}...); starting from "
+        "them, the guarantee would cover nothing of what the weights already hold about these "
+        "records: start from weights trained on public data, or from no weights"
+    ]

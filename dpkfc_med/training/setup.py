@@ -17,6 +17,7 @@ from dpkfc_med.models import (
     validate_private_compatible,
 )
 from dpkfc_med.models.finetune import prepare_finetune
+from dpkfc_med.models.pretrained import PretrainedWeightsError, same_data_problems
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.training.pretrain import PretrainSpec, pretrain_synthetic
@@ -76,6 +77,9 @@ def build_run_model(
     )
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)
     if finetune:  # model.pretrained and training.finetune, before any privacy wrapper
+        problems = same_data_problems(cfg.model.pretrained, task.data_record.get("sha256"))
+        if problems:
+            raise PretrainedWeightsError(problems)
         prepare_finetune(model, cfg.model, cfg.training)
     validate_private_compatible(model)
     check_input_size(model, (task.in_channels, *task.spatial_shape))
