@@ -13,8 +13,9 @@ score, the selection and the released model), with the mechanism in plain words 
 Privacy guarantee:
     The block states the tuning's total epsilon (recomputed here from the plan with
     :func:`~dpkfc_med.privacy.selection.tuning_epsilon`), never one trial's. The number of
-    trials that ran, the other trials and their scores are not released: the bound covers the
-    best trial's output alone (revealing the count would condition the analysis on it).
+    trials that ran, the released trial's index (which bounds it from below), the other trials
+    and their scores are not released: the bound covers the best trial's output alone
+    (revealing the count would condition the analysis on it).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TunedRelease:
         record: the tuning's ledger (custodian only: never shipped).
         report: its shareable ``tuning_report.json``.
         trial_dir: the released trial's run folder (custodian only).
-        config: the released trial's run config as a mapping.
+        config: the released trial's run config as a mapping, under the tuning's name.
         trial_report: the released trial's ``privacy_report.json`` (custodian only).
         epsilon: the tuning's total epsilon, recomputed from its plan.
     """
@@ -168,11 +169,14 @@ def check_tuning(folder: str | Path) -> TunedRelease:
         )
     if problems:
         raise BundleExportError(problems, folder)
+    config = yaml.safe_load((trial_dir / "config.yaml").read_text())
+    # the tuning's name, never a trial's: a name like "<name>_trial_5" would show K >= 6
+    config["name"] = record["config"].get("name", "run")
     return TunedRelease(
         record=record,
         report=json.loads((folder / TUNING_REPORT_FILES[0]).read_text()),
         trial_dir=trial_dir,
-        config=yaml.safe_load((trial_dir / "config.yaml").read_text()),
+        config=config,
         trial_report=json.loads((trial_dir / "privacy_report.json").read_text()),
         epsilon=eps,
     )

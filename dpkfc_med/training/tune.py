@@ -9,17 +9,21 @@ The procedure of :mod:`dpkfc_med.privacy.selection` (Papernot & Steinke 2022):
    grid) from OS entropy, and write them to the tuning ledger (:data:`TUNING_LEDGER`, with
    every trial's score: custodian only) *before* the
    first trial: from then on the whole planned epsilon counts as spent, so a killed tuning can
-   never under-report.
+   never under-report. Grid keys that change the data, the split, the unit, the accountant or
+   the mechanism are refused (:data:`GRID_REFUSED`), and every grid value is checked against
+   the config before ``K`` is drawn.
 3. **Run** each trial as an ordinary private run (its own ledger, checkpoint and report, under
-   ``private_not_for_release/trials/``) at that ``sigma``, releasing its last epoch's weights
+   ``private_not_for_release/trials/``; every trial keeps the tuning's name, so only its
+   custodian folder names its index) at that ``sigma``, releasing its last epoch's weights
    (no epoch chosen on private data), then **score** it: the sum of per-unit validation scores
    in ``[0, 1]`` (sensitivity 1) plus Gaussian noise, divided by the number of validation units.
    The validation units are disjoint from the training units.
 4. **Release** only the trial with the best noisy score: its model (``model.pt``), its
    hyperparameters and its noisy score, with ``tuning_report.{json,md}``.
 
-Every trial's own run directory, score and report stay with the data custodian: releasing
-them would be more than the analysis covers. ``--resume`` continues a stopped tuning with the
+Every trial's own run directory, score and report, the number of trials and the released
+trial's index stay with the data custodian: releasing them would be more than the analysis
+covers. ``--resume`` continues a stopped tuning with the
 same ``K`` and trials (an interrupted trial resumes within its own plan).
 """
 
@@ -40,28 +44,87 @@ import torch
 
 from dpkfc_med.methods import Method
 from dpkfc_med.privacy.selection import TrialCount, TuningPlan, plan_tuning
-from dpkfc_med.report.custodian import PRIVATE_DIR
+from dpkfc_med.report.custodian import CONFIG_PATHS, PRIVATE_DIR
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from dpkfc_med.utils import write_json
 
-__all__ = ["TUNING_LEDGER", "parse_grid", "released_model", "run_tuning", "score_noisily"]
+__all__ = [
+    "GRID_ALLOWED",
+    "GRID_REFUSED",
+    "TUNING_LEDGER",
+    "parse_grid",
+    "released_model",
+    "run_tuning",
+    "score_noisily",
+]
 
 TUNING_LEDGER = f"{PRIVATE_DIR}/tuning.json"
 """The tuning's ledger: every trial's values and noisy score (custodian only, like a run's)."""
 TUNING_SCHEMA = "dpkfc_med.tuning/1"
 TRIALS_DIR = f"{PRIVATE_DIR}/trials"
-# Grid keys that would change the sampling rate, the number of steps, the units or the
-# accounting: every trial must be the same mechanism for the selection bound to hold.
-_FIXED_PREFIXES = ("data.", "privacy.", "output.", "training.batch_size", "training.epochs")
-_FIXED_ALLOWED = ("privacy.max_grad_norm", "privacy.clipping")
+GRID_REFUSED: dict[str, str] = {
+    "name": "names the tuning and its released model, not a trial",
+    "data": "selects, reads, splits or groups the private data, i.e. the units and the "
+    "privacy unit themselves",
+    "training.seed": "draws the split (train, validation, test) and the data subset: another "
+    "seed moves validation units into training, and the noisy score is no longer on units "
+    "disjoint from the trial's training",
+    "training.batch_size": "sets the sample rate q = B / N",
+    "training.epochs": "sets the number of noisy steps",
+    "training.select_epoch": "every trial releases its last epoch; choosing an epoch on the "
+    "private validation split is not covered",
+    "privacy": "target, delta, noise, accountant and randomness are the tuning's plan, one "
+    "for every trial (secure_rng and reproducible_noise decide whether the noise is secret)",
+    "probes.allow_public_overlap": "lets the preconditioner depend on private training "
+    "images, which no guarantee covers",
+    **{
+        key: "holds a path, and the grid is published in tuning_report.json (paths stay with "
+        "the custodian)"
+        for key in CONFIG_PATHS
+        if not key.startswith(("data.", "output."))
+    },
+    "output": "every trial's folder is the tuning's (under private_not_for_release/trials/)",
+}
+"""Grid keys (a key and everything under it) that would change the data, the split, the unit,
+the accountant or the mechanism, with why: every trial must be the same mechanism on the same
+units for the selection bound to hold, and a trial must be scored on units it did not train
+on. Everything else (learning rate, optimizer, method among the private ones, clip norm,
+clipping mode, model, probes, preconditioner, data-free pretraining...) may be tuned."""
+
+GRID_ALLOWED = ("privacy.max_grad_norm", "privacy.clipping")
+"""Keys under a refused section that may be tuned: the noise is ``sigma C`` whatever ``C``, and
+every clipping mode computes the same clipped sum."""
+
+
+def _refusal(key: str, choices: Sequence[str]) -> str | None:
+    """Why ``--grid key=choices`` is refused (with the fix), or ``None``."""
+    why = None
+    if key == "method" and Method.NONPRIVATE.value in choices:
+        why = "nonprivate has no guarantee to select under"
+    for refused, reason in GRID_REFUSED.items():
+        if why is not None or key in GRID_ALLOWED:
+            break
+        if key == refused or key.startswith(refused + "."):
+            why = reason
+        elif refused.startswith(key + "."):  # a whole section, e.g. training={seed: 1}
+            why = f"sets {refused} too, which {reason}"
+    if why is None:
+        return None
+    return (
+        f"--grid {key}: {why}; every trial must run the same private mechanism (sample rate, "
+        "steps, units, split, delta) for the tuning's bound to hold: set it once in the config, "
+        "and tune e.g. training.lr, training.optimizer, privacy.max_grad_norm, "
+        "preconditioner.damping_a or method instead"
+    )
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
     """``["training.lr=0.05,0.1", ...]`` -> ``{"training.lr": ["0.05", "0.1"], ...}``.
 
     Raises:
-        ConfigError: a malformed item, or a key that changes the mechanism (named, with why).
+        ConfigError: a malformed item, a key of :data:`GRID_REFUSED` (named, with why and the
+            fix), or a non-private ``method``; every problem at once.
     """
     grid: dict[str, list[str]] = {}
     problems = []
@@ -71,16 +134,10 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
         choices = [v.strip() for v in values.split(",") if v.strip()]
         if not sep or not key or not choices:
             problems.append(f"--grid {item!r}: use KEY=V1,V2,... (e.g. training.lr=0.05,0.1)")
-            continue
-        fixed = key.startswith(_FIXED_PREFIXES) and key not in _FIXED_ALLOWED
-        if fixed or key == "method" and Method.NONPRIVATE.value in choices:
-            problems.append(
-                f"--grid {key}: every trial must run the same private mechanism (sample rate, "
-                "steps, units, delta) for the tuning's bound to hold; tune the learning rate, "
-                "clip norm, damping, optimizer or method instead"
-            )
-            continue
-        grid[key] = choices
+        elif (problem := _refusal(key, choices)) is not None:
+            problems.append(problem)
+        else:
+            grid[key] = choices
     if problems:
         raise ConfigError(problems, "the --grid options")
     return grid
@@ -115,8 +172,26 @@ def _trial_config(
     raw["privacy"]["target_epsilon"] = plan.training_epsilon * 1.01 + 1e-3
     raw.setdefault("training", {})["select_epoch"] = "last"
     raw.setdefault("output", {})["dir"] = str(run_dir)
-    raw["name"] = f"{raw.get('name', 'run')}_{run_dir.name}"
-    return config_from_dict(raw, f"trial {run_dir.name}")
+    # Every trial keeps the tuning's name: the released model.pt embeds its config, and a name
+    # holding the trial's index would show that at least index + 1 trials ran (the bound
+    # assumes the number of trials stays hidden). Only the trial's folder (custodian) names it.
+    return config_from_dict(raw, f"the grid values {dict(params)}")
+
+
+def _grid_problems(base: RunConfig, grid: Mapping[str, Sequence[str]]) -> list[str]:
+    """Every grid value the config refuses, checked before the budget is spent on ``K``."""
+    problems = []
+    for key, values in grid.items():
+        if (problem := _refusal(key, [str(v) for v in values])) is not None:
+            problems.append(problem)
+            continue
+        for value in values:
+            raw = copy.deepcopy(base.to_dict())
+            try:
+                config_from_dict(apply_overrides(raw, [f"{key}={value}"]))
+            except ConfigError as err:
+                problems += [f"--grid {key}={value}: {p}" for p in err.problems]
+    return list(dict.fromkeys(problems))
 
 
 def released_model(cfg: RunConfig, task: Any, model_pt: Path) -> torch.nn.Module:
@@ -184,6 +259,8 @@ def run_tuning(
         )
     if resume and not ledger_path.is_file():
         raise ConfigError([f"--resume: no tuning to continue in {out} (no {TUNING_LEDGER})"])
+    if not resume and (problems := _grid_problems(cfg, grid)):
+        raise ConfigError(problems, "the --grid values (nothing drawn, nothing spent)")
     task = None  # the data of every trial (the grid never changes it), loaded once
     if resume:
         record = json.loads(ledger_path.read_text())

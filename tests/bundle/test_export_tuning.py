@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -78,6 +79,41 @@ def test_metadata_and_readme_state_the_tuning_beside_the_total_epsilon(tuning, b
         if other["index"] != record["selected"]:
             assert not any(repr(other["score"])[:12] in p.read_text() for p in shipped)
     assert "count" not in dp["tuning"] and "trials_run" not in json.dumps(dp)
+
+
+def _shareable_texts(folder: Path, bundle: Path) -> dict[str, str]:
+    """Every shareable file of a tuning and its bundle as text (a ``.pt``: what it embeds)."""
+    texts = {}
+    files = [p for p in folder.rglob("*") if "private_not_for_release" not in p.parts]
+    for path in [*files, *bundle.rglob("*")]:
+        if not path.is_file():
+            continue
+        if path.suffix == ".pt":
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            plain = {k: v for k, v in saved.items() if not isinstance(v, (dict, torch.Tensor))}
+            embedded = {k: v for k, v in saved.items() if k in ("config", "task")}
+            weights = [k for k, v in saved.items() if isinstance(v, dict) and k not in embedded]
+            keys = [list(saved[k]) for k in weights] + [list(saved)]
+            texts[str(path)] = json.dumps([plain, embedded, keys], default=str)
+        else:
+            texts[str(path)] = path.read_text(encoding="utf-8")
+    return texts
+
+
+def test_nothing_shareable_names_the_selected_trial_or_the_count(tuning, bundle):
+    """Audit round 3: the released model.pt embedded ``name: t_trial_<i>``, which shows
+    K > i; the bound assumes K stays hidden. Only the custodian folder may name a trial."""
+    folder, record = tuning
+    texts = _shareable_texts(folder, bundle)
+    assert str(folder / "model.pt") in texts and str(bundle / "models" / "model.pt") in texts
+    saved = torch.load(folder / "model.pt", map_location="cpu", weights_only=False)
+    assert saved["config"]["name"] == record["config"]["name"] == "t"
+    k = record["count"]  # 3, while E[K] = 2
+    for path, text in texts.items():
+        assert not re.search(r"trial[ _-]?\d", text, re.IGNORECASE), path  # the index
+        assert not re.search(rf"\b{k} trials?\b|\bK ?= ?{k}\b", text), path  # the count
+        if path.endswith(".json"):
+            assert not {"count", "selected", "index"} & set(re.findall(r'"(\w+)":', text)), path
 
 
 def test_bundle_holds_the_selected_trials_weights(tuning, bundle):

@@ -27,6 +27,53 @@ def test_grid_keys_that_change_the_mechanism_are_refused():
         parse_grid(["training.lr"])
 
 
+@pytest.mark.parametrize(
+    ("item", "why"),
+    [
+        ("training.seed=0,1", "draws the split"),  # audit: 20 validation cases trained on
+        ("probes.allow_public_overlap=false,true", "preconditioner depend on private"),
+        ("privacy.reproducible_noise=false,true", "the tuning's plan"),
+        ("data.path=a.npz,b.npz", "the private data"),
+        ("training.select_epoch=last,best_val", "last epoch"),
+        ("model.pretrained=a.pt,b.pt", "a path"),
+        ("training={seed: 1}", "sets training.seed"),  # a whole section smuggles the seed
+        ("output.dir=a,b", "the tuning's"),
+        ("name=a,b", "names the tuning"),
+    ],
+)
+def test_grid_keys_that_change_the_data_split_or_mechanism_name_key_reason_and_fix(item, why):
+    """Audit round 3: ``--grid training.seed`` re-drew the split, so a trial trained on units
+    it was then scored on; every refused key is named with why and what to do instead."""
+    key = item.partition("=")[0]
+    with pytest.raises(ConfigError, match="same private mechanism") as err:
+        parse_grid([item, "training.lr=0.05,0.1"])
+    text = str(err.value)
+    assert f"--grid {key}: " in text and why in text and "set it once in the config" in text
+    assert "training.lr" not in text.split("--grid ", 1)[1].split(":")[0]  # the lr is fine
+    assert len(err.value.problems) == 1
+
+
+def test_grid_values_are_checked_before_the_budget_is_spent(tmp_path):
+    """A value the config refuses stops the tuning before K is drawn (no ledger, no spend)."""
+    cfg = load_config(_config(tmp_path, method="dp-sgd", training={"epochs": 1}))
+    out = tmp_path / "tune"
+    grid = {"training.lr": ["0.05", "fast"], "training.optimiser": ["adam"]}
+    with pytest.raises(ConfigError, match=r"training\.lr=fast") as err:
+        run_tuning(
+            cfg, target_epsilon=4.0, grid=grid, trials=TrialCount.parse("poisson:2"), out=out
+        )
+    assert "training.optimiser" in str(err.value)  # every problem at once
+    with pytest.raises(ConfigError, match="draws the split"):  # a grid passed as a mapping
+        run_tuning(
+            cfg,
+            target_epsilon=4.0,
+            grid={"training.seed": [0, 1]},
+            trials=TrialCount.parse("poisson:2"),
+            out=out,
+        )
+    assert not (out / TUNING_LEDGER).exists()
+
+
 def test_the_validation_score_noise_is_calibrated_to_its_sensitivity():
     """Per-unit scores in [0, 1]: the sum has sensitivity 1, the noise std is sigma / n."""
     n, sigma = 40, 3.0
