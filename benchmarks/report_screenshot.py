@@ -11,6 +11,22 @@ file), written to a temporary folder. The page is captured at ``--width`` pixels
 (up to ``--height``; blank space below the page is trimmed when Pillow is installed), to
 ``--out`` (default ``benchmarks/results/report_screenshot.png``).
 
+``--first-screen`` captures only what a data-protection officer sees first (the title, any
+warning banners, the "In plain words" box and the contents list: ``--screen-height`` pixels,
+1080 by default), as a small palette PNG. The committed first screens were made with::
+
+    dpkfc-med train configs/pneumoniamnist_cnn_2d_eps1.yaml --out runs/main
+    python -m benchmarks report-screenshot --run-dir runs/main --first-screen \
+        --out benchmarks/results/report_first_screen_main.png
+    dpkfc-med bundle train tests/bundle/zoo_bundle --epsilon 8 --out runs/zoo \
+        --override dataset_dir=DATA/msd_hippocampus --override num_train=6 \
+        --override 'train#trainer#max_epochs=1' --set training.progress=false
+    python -m benchmarks report-screenshot --run-dir runs/zoo --first-screen \
+        --out benchmarks/results/report_first_screen_bundle.png
+
+(a copy of ``tests/bundle/zoo_bundle`` keeps the test bundle clean; ``DATA`` is the shared data
+folder).
+
 ``--rerender`` renders the views from the run's ``privacy_report.json`` with the code as it is
 now, into a temporary folder (the run directory is not touched): the way to look at a rendering
 change on an existing run. ``--markdown`` also captures the Markdown views (the privacy report
@@ -138,10 +154,30 @@ def _trim(png: Path) -> None:
         rgb.crop((0, 0, rgb.width, box[3] + 40)).save(png)
 
 
+def _small(png: Path) -> None:
+    """Store a screenshot as a 128-colour palette PNG (text and boxes stay sharp, the file small)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(png) as image:
+        small = image.convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT)
+    small.save(png, optimize=True)
+
+
 def screenshot(
-    browser: tuple[str, str], page: Path, png: Path, width: int, height: int = 16000
+    browser: tuple[str, str],
+    page: Path,
+    png: Path,
+    width: int,
+    height: int = 16000,
+    *,
+    trim: bool = True,
 ) -> None:
-    """Capture ``page`` (an HTML file) at ``width`` pixels into ``png``, at most ``height`` long."""
+    """Capture ``page`` (an HTML file) at ``width`` pixels into ``png``, at most ``height`` long.
+
+    ``trim=False`` keeps the capture at ``height`` exactly (a first screen).
+    """
     png.parent.mkdir(parents=True, exist_ok=True)
     url = page.resolve().as_uri()
     kind, exe = browser
@@ -150,9 +186,9 @@ def screenshot(
 
         with sync_playwright() as pw:
             chromium = pw.chromium.launch()
-            tab = chromium.new_page(viewport={"width": width, "height": 900})
+            tab = chromium.new_page(viewport={"width": width, "height": 900 if trim else height})
             tab.goto(url)
-            tab.screenshot(path=str(png), full_page=True)
+            tab.screenshot(path=str(png), full_page=trim)
             chromium.close()
         return
     with tempfile.TemporaryDirectory() as profile:
@@ -186,7 +222,8 @@ def screenshot(
                 url,
             ]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    _trim(png)
+    if trim:
+        _trim(png)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT, help="the PNG to write")
     parser.add_argument("--width", type=int, default=1100, help="page width in pixels")
     parser.add_argument("--height", type=int, default=16000, help="longest capture in pixels")
+    parser.add_argument(
+        "--first-screen",
+        action="store_true",
+        help="capture only the first screen (verdict box and contents), as a small PNG",
+    )
+    parser.add_argument(
+        "--screen-height", type=int, default=1080, help="height of the first screen in pixels"
+    )
     parser.add_argument(
         "--rerender", action="store_true", help="render the views from the JSON with this code"
     )
@@ -219,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         if not page.is_file():
             print(f"error: {page}: no HTML report; pass a run directory", file=sys.stderr)
             return 2
-        screenshot(browser, page, args.out, args.width, args.height)
+        if args.first_screen:
+            screenshot(browser, page, args.out, args.width, args.screen_height, trim=False)
+            _small(args.out)
+        else:
+            screenshot(browser, page, args.out, args.width, args.height)
         print(f"screenshot ({browser[0]}): {args.out}")
         if args.markdown:
             views = {

@@ -311,7 +311,7 @@ def _custodian_sentence(report: Mapping[str, Any]) -> str:
     kept = [what.partition(" (")[0] for what, _ in kept_in_house(report)]
     if (report.get("task") or {}).get("kind") == "segmentation":
         kept.append("slices of private images with their segmentations (overlays)")
-    kept.append("the results of `dpkfc-med evaluate`, when it is run")
+    kept.append("the results of dpkfc-med evaluate, when it is run")
     return f"Everything under {PRIVATE_DIR}/ (for the data custodian only): {'; '.join(kept)}."
 
 
@@ -338,7 +338,8 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ),
         (
             "public",
-            "the number of training units",
+            "the number of training units"
+            + (f" ({n:,})" if isinstance(n := data.get("num_train_units"), int) else ""),
             "The number of training units N (it sets the sample rate q = 1/ceil(N/B), the "
             "number of steps and delta) is treated as public, as in Opacus and the standard "
             "analysis of Poisson-subsampled Gaussian mechanisms.",

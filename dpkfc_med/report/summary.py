@@ -68,8 +68,9 @@ def _who(report: Mapping[str, Any]) -> str:
     head, n = unit_head(data["privacy_unit"]), data["num_train_units"]
     detail = unit_detail(data)
     count = f"{n:,} {head if n == 1 else plural(head)}" if isinstance(n, int) else plural(head)
-    who = f"each {head} of the training set ({count}"
-    who += f"; {detail})." if detail else ")."
+    who = f"each {head} of the training set ({count})."
+    if detail:
+        who += f" One {head}: {detail}."
     note = data.get("unit_note")
     if isinstance(note, Mapping) and note.get("statement"):
         per = note.get("per_patient")

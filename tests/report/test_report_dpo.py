@@ -189,8 +189,8 @@ def test_a_bundle_unit_source_is_stated_beside_the_unit():
     )
     md = render_markdown(report)
     assert (
-        "**Who is protected:** each patient of the training set (20 patients; all items of "
-        "train#dataset#data sharing the data-list key 'patient_id')."
+        "**Who is protected:** each patient of the training set (20 patients). One patient: all "
+        "items of train#dataset#data sharing the data-list key 'patient_id'."
     ) in md
     assert "| One unit is | all items of train#dataset#data sharing" in md
 

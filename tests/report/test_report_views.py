@@ -69,7 +69,7 @@ def test_plain_summary_states_who_against_what_how_much_and_what_not():
         "> - **Uses of the private data outside the mechanism**: any hyperparameter tuning on "
         "the private data, and the choice of the released epoch on the private validation split."
     ) in text
-    assert "> - **Treated as public**: the number of training units." in text
+    assert "> - **Treated as public**: the number of training units (546)." in text
     for short in shorts:
         assert text.count(short) == 1, short
     assert (
