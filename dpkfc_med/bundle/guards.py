@@ -25,6 +25,7 @@ from dpkfc_med.bundle.zoo_task import (
     config_value,
     data_digest,
     has_id,
+    names_files,
 )
 
 __all__ = [
@@ -321,12 +322,14 @@ def _image_key(item: dict[str, Any]) -> str:
 
 
 def evaluation_overlap(parser: Any, train: list[Any]) -> None:
-    """Refuse validation or test items whose image is a training item's image.
+    """Refuse validation or test items whose image files are a training item's.
 
     Raises:
         BundleConfigError: Per evaluation list that shares items, with a count and examples.
     """
-    train_images = {_image_key(i) for i in train if isinstance(i, dict)}
+    # items of in-memory arrays that are equal may be distinct records (published datasets
+    # hold duplicate images across splits); only items naming the same files are one record
+    train_images = {_image_key(i) for i in train if isinstance(i, dict) and names_files(i)}
     problems = []
     for split, key in SPLIT_DATA.items():
         if not has_id(parser, key):

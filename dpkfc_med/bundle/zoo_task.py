@@ -274,7 +274,7 @@ def _units(data: Any, unit_key: str | None) -> dict[str, list[Any]]:
              "private engine samples its items (set it, or --override dataset_dir=...)"]
         )  # fmt: skip
     units: dict[str, list[Any]] = {}
-    seen: dict[str, int] = {}
+    seen: dict[str, list[int]] = {}
     problems: list[str] = []
     for i, item in enumerate(data):
         if not isinstance(item, dict):
@@ -289,15 +289,22 @@ def _units(data: Any, unit_key: str | None) -> dict[str, list[Any]]:
                  "give every item the unit (patient) id, or drop --unit-key"]
             )  # fmt: skip
         digest = data_digest(item)
-        if digest in seen:
+        repeats = seen.setdefault(digest, [])
+        repeats.append(i)
+        if len(repeats) > 1 and names_files(item):
             problems.append(
-                f"train#dataset#data: item {i} ({_item_name(item)}) repeats item {seen[digest]}; "
-                "an item listed twice would make that patient count twice (2 C); remove the "
+                f"train#dataset#data: item {i} ({_item_name(item)}) repeats item {repeats[0]}; "
+                "a file listed twice would make that patient count twice (2 C); remove the "
                 "repeat"
             )
             continue
-        seen[digest] = i
-        uid = str(item[unit_key]) if unit_key is not None else item_id(item)
+        if unit_key is not None:
+            uid = str(item[unit_key])
+        else:
+            # Items of in-memory arrays may be equal records (a dataset's duplicate images):
+            # the k-th equal one is its own unit. Equal items are interchangeable, so removing
+            # one is the same neighbour whichever it is; no other unit's id moves.
+            uid = item_id(item) + (f"-{len(repeats) - 1}" if len(repeats) > 1 else "")
         units.setdefault(uid, []).append(item)
     if problems:
         raise BundleConfigError(problems)
@@ -321,6 +328,15 @@ def unit_source(unit_key: str | None) -> str:
     if not unit_key:
         return "one item of train#dataset#data (one image with its label)"
     return f"all items of train#dataset#data sharing the data-list key {unit_key!r}"
+
+
+def names_files(item: Any) -> bool:
+    """Whether a data-list item names files (paths), rather than holding arrays itself."""
+    if isinstance(item, dict):
+        return any(names_files(v) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return any(names_files(v) for v in item)
+    return isinstance(item, (str, Path))
 
 
 def _item_name(item: dict[str, Any]) -> str:

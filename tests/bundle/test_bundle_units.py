@@ -129,3 +129,18 @@ def test_a_look_at_a_volume_dataset_counts_no_draw():
     assert not torch.equal(look["image"], first["image"])  # the look stream is not draw 0
     again = UnitImageDataset(images, labels, groups, ["a", "b"], transform=Noisy(), seed=0)
     assert torch.equal(again[0]["image"], first["image"])
+
+
+def test_equal_in_memory_items_are_separate_units_and_files_listed_twice_are_not():
+    """Equal arrays (a dataset's duplicate images) stay separate units; a repeated file is refused."""
+    from dpkfc_med.bundle.zoo_task import _units
+
+    a, b = np.zeros((1, 2, 2)), np.ones((1, 2, 2))
+    units = _units(
+        [{"image": a, "label": 0}, {"image": b, "label": 1}, {"image": a, "label": 0}], None
+    )
+    assert len(units) == 3
+    fewer = _units([{"image": b, "label": 1}, {"image": a, "label": 0}], None)
+    assert set(fewer) < set(units)  # removing one item moves no other unit's id
+    with pytest.raises(BundleConfigError, match=r"item 2 \(x\.nii\.gz\) repeats item 0"):
+        _units([{"image": "x.nii.gz"}, {"image": "y.nii.gz"}, {"image": "x.nii.gz"}], None)
