@@ -238,8 +238,12 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
             f"{dp['sample_rate']:.4g}; noise multiplier {dp['noise_multiplier']:.4g}; clip norm "
             f"{dp['max_grad_norm']:g}; {dp['steps']} steps",
             *[f"- WARNING: {w}" for w in dp["headline_warnings"]],
-            f"- other accountants, bounds on the same mechanism (not the stated epsilon): {others}",
         ]
+        if others:
+            lines.append(
+                f"- other accountants, bounds on the same mechanism (not the stated epsilon): "
+                f"{others}"
+            )
     tuning = dp.get("tuning")
     if tuning:
         released = tuning["released"] or {}
