@@ -50,10 +50,13 @@ FDP_BOUND_SOURCE = (
 # Why not a library for the f-DP test: the authors' implementation ships in Meta's PrivacyGuard
 # (PyPI ``privacyguard-platform`` 0.0.x), which pulls transformers, plotly, ipywidgets and
 # pytest as run-time dependencies and tests Gaussian (mu-GDP) curves only, on a fixed linear
-# grid of noises. A mu-GDP reading is not sound here: the subsampled Gaussian at epsilon 8 is
-# not mu-GDP for the mu that matches its (epsilon, delta) (its tail is heavier), so a correct run
-# could read "refuted". The recursion is a dozen lines of numpy; tests check its false-
-# refutation rate exactly on randomized response and by simulation on Gaussian mechanisms.
+# grid of noises; jax_privacy 2.0's ``auditing`` module has the same recursion as a private
+# helper, against the curve of the one Gaussian mechanism with the claimed (epsilon, delta)
+# (dp_accounting.get_sigma_gaussian): the same mu-GDP reading. That reading is not sound here:
+# the subsampled Gaussian at epsilon 8 is not mu-GDP for the mu that matches its
+# (epsilon, delta) (its tail is heavier), so a correct run could read "refuted". The recursion
+# is a dozen lines of numpy; tests check its false-refutation rate exactly on randomized
+# response and by simulation on Gaussian mechanisms, and its shortcuts against the full walk.
 
 # Why not a library: jax_privacy.auditing implements this bound but ``import
 # jax_privacy.auditing`` runs jax_privacy/__init__.py, which imports JAX (a ~600 MB install
@@ -304,11 +307,51 @@ def fdp_refutes(
     h = mass * (guesses - correct) / guesses
     for i in range(correct - 1, -1, -1):
         h_next = max(h, float(inverse(np.array(r))))
+        if h_next == h:  # r stays too: a fixed point, and r + h is still within the total
+            return False
         r += i / (guesses - i) * (h_next - h)
         h = h_next
         if r + h > total:  # the mass only grows on the way down
             return True
     return False
+
+
+def tolerated_wrong(
+    inverse: TradeoffInverse, *, canaries: int, guesses: int, significance: float
+) -> int | None:
+    """The most wrong guesses out of ``guesses`` that still refute ``f``-DP (:func:`fdp_refutes`).
+
+    ``None`` when even all-correct guesses do not refute it. The refuted outcomes form an upper
+    set in the number of correct guesses (more correct guesses need more mass on the way down),
+    so a bisection over the correct count finds the edge.
+
+    Args:
+        inverse: :data:`TradeoffInverse` of the claim under test.
+        canaries: ``m``.
+        guesses: ``r'``, guesses made.
+        significance: the allowed probability of refuting a true claim.
+
+    Returns:
+        ``w`` such that ``guesses - w`` correct guesses refute the claim and
+        ``guesses - w - 1`` do not; ``None`` if ``guesses`` correct do not.
+    """
+
+    def refutes(wrong: int) -> bool:
+        return fdp_refutes(
+            inverse,
+            canaries=canaries,
+            guesses=guesses,
+            correct=guesses - wrong,
+            significance=significance,
+        )
+
+    if not refutes(0):
+        return None
+    lo, hi = 0, guesses  # lo wrong refutes; hi wrong (no correct guess) never does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if refutes(mid) else (lo, mid)
+    return lo
 
 
 def guess_counts(canaries: int) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ training run's):
 
 * everything a training run writes (the model there includes the canaries: not a release);
 * ``audit.json``: the empirical lower bound on epsilon next to the accounted epsilon, with
-  the counts, the guess rule and the bound used (:data:`AUDIT_FILE`);
+  the counts, the guess rule, the bound used and the audit's power (what a mechanism with 10x
+  too little noise would show under the same settings) (:data:`AUDIT_FILE`);
 * an ``"audit"`` block with the same numbers in ``privacy_report.json``, whose views are
   re-rendered.
 
@@ -50,15 +51,16 @@ __all__ = [
     "AuditRun",
     "audit_run_dir",
     "format_audit",
+    "power_sentence",
     "run_audit",
 ]
 
 AUDIT_FILE = "audit.json"
-AUDIT_SCHEMA = "dpkfc_med.audit/2"
+AUDIT_SCHEMA = "dpkfc_med.audit/3"
 DEFAULT_CANARIES = 5000
 """The smallest default ``M``: :func:`~dpkfc_med.privacy.audit.default_canaries` takes more
-(10000, 20000, at most one per trainable coordinate) when the audit's ceiling with 5000 would
-not exceed the accounted epsilon."""
+(10000, 20000, at most one per trainable coordinate) when 5000 would not refute a mechanism with
+10x too little noise with a margin."""
 NOT_DP = (
     "RESEARCH ONLY, NOT DIFFERENTIALLY PRIVATE: noise_scale={scale:g} multiplied the noise of "
     "this run (the accountant still counts the configured noise), to test that the audit "
@@ -77,8 +79,9 @@ CANARY_DESIGN = (
 SCORE = (
     "log likelihood ratio 'drawn at rate q' vs 'never drawn' of coordinate j of the released "
     "noisy sums over all noisy steps (Opacus' p.grad after the noise, times the expected batch "
-    "size): the residual after a running median over 21 steps, scaled by its robust spread, "
-    "summed as log(1 - q + q exp((C e - C^2/2) / s^2)); with preconditioner.step=natural the "
+    "size): the residual e after a running median over 21 steps, with its robust spread s, "
+    "under a Student-t null with 3 degrees of freedom (data gradients are heavy-tailed), summed "
+    "as log(1 - q + q t3((e - C) / s) / t3(e / s)); with preconditioner.step=natural the "
     "released update after its second product with P, a valid but weaker score"
 )
 RANDOMNESS = (
@@ -151,8 +154,8 @@ def run_audit(
         cfg: the validated configuration (a private method).
         out: the audit's run directory (default :func:`audit_run_dir`).
         canaries: ``M``, at most the model's number of trainable coordinates (default
-            :func:`~dpkfc_med.privacy.audit.default_canaries`: 5000, or more when the
-            audit could not refute the accounted epsilon with 5000).
+            :func:`~dpkfc_med.privacy.audit.default_canaries`: 5000, or more when 5000
+            could not refute a mechanism with 10x too little noise with a margin).
         confidence: confidence of the lower bound (default 0.95).
         rng: generator for the canaries (tests only); default seeded from OS entropy.
         noise_scale: RESEARCH ONLY, to test the audit: multiplies the noise the run draws
@@ -237,13 +240,15 @@ def run_audit(
     plan = dataclasses.replace(plan, steps=injector.steps_read)
     outcome = injector.result(delta=delta, confidence=confidence, plan=plan)
     lower = outcome.epsilon_lower_bound
-    verdict = _verdict(outcome.verdict, lower, outcome.max_bound, primary, confidence)
+    power = outcome.power or {}
+    verdict = _verdict(outcome.verdict, lower, power, primary, confidence)
     if noise_scale != 1:
         verdict = f"{NOT_DP.format(scale=noise_scale)}. {verdict}"
     record: dict[str, Any] = {
         "schema": AUDIT_SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "epsilon_lower_bound": lower,
+        "power": power,
         "max_bound": outcome.max_bound,
         "verdict_code": outcome.verdict,
         "noise_scale": float(noise_scale),
@@ -294,7 +299,9 @@ def run_audit(
     return AuditRun(run_dir, record, result)
 
 
-def _verdict(code: str, lower: float, ceiling: float, accounted: float, confidence: float) -> str:
+def _verdict(
+    code: str, lower: float, power: dict[str, Any], accounted: float, confidence: float
+) -> str:
     if code == Verdict.REFUTED:
         return (
             f"REFUTED: the guesses refute the accounted mechanism (lower bound {lower:.3f}, "
@@ -303,13 +310,29 @@ def _verdict(code: str, lower: float, ceiling: float, accounted: float, confiden
         )
     if code == Verdict.CANNOT_REFUTE:
         return (
-            f"cannot refute: even all-correct guesses would bound epsilon by only {ceiling:.3f} "
-            f"(the audit's ceiling), not above the accounted {accounted:.3f}; this audit says "
-            "nothing about the claim (use more canaries)"
+            f"cannot refute: {power_sentence(power, accounted)}; this audit says nothing about "
+            "the claim"
         )
     return (
         f"consistent: the lower bound {lower:.3f} does not exceed the accounted epsilon "
-        f"{accounted:.3f} (the audit could have shown up to {ceiling:.3f})"
+        f"{accounted:.3f}" + (f"; {power_sentence(power, accounted)}" if power else "")
+    )
+
+
+def power_sentence(power: dict[str, Any], accounted: float) -> str:
+    """What a mechanism with too little noise would show: :attr:`AuditResult.power` in words."""
+    times = f"{1 / power['noise_scale']:g}x too little noise"
+    bound = power["epsilon_lower_bound"]
+    if not power["refutes"]:
+        return (
+            f"with {times} this audit would show only epsilon >= {bound:.3f} (one simulated run "
+            f"from the plan), not refuting the accounted {accounted:.3f}: it cannot catch that "
+            "bug (use more canaries, --canaries)"
+        )
+    return (
+        f"with {times} it would show epsilon >= {bound:.3f} (one simulated run from the plan: "
+        f"{power['correct']}/{power['guesses']} correct) and refute the accounted epsilon while "
+        f"at most {power['tolerated_wrong']} of {power['guesses']} guesses are wrong"
     )
 
 
@@ -343,17 +366,18 @@ def _add_to_report(run_dir: Path, record: dict[str, Any]) -> None:
 
 
 def format_audit(record: dict[str, Any]) -> str:
-    """Two console lines: the lower bound (rounded down) next to the accounted epsilon (up)."""
+    """Console lines: the lower bound (rounded down), the audit's power, the accounted epsilon."""
     from dpkfc_med.report import format_delta
 
     low = Decimal(repr(float(record["epsilon_lower_bound"])))
     low_text = f"{low.quantize(Decimal('0.001'), rounding=ROUND_FLOOR):f}"
+    power = record.get("power")
     return (
         f"audit: epsilon >= {low_text} (empirical lower bound at confidence "
         f"{record['confidence']:g}: {record['correct']}/{record['guesses']} correct guesses on "
-        f"{record['canaries']} canaries; ceiling {record['max_bound']:.3f}, the most these "
-        "settings could show)\n"
-        f"privacy: epsilon <= {format_epsilon(record['epsilon_accounted'])} at delta = "
+        f"{record['canaries']} canaries)\n"
+        + (f"power: {power_sentence(power, record['epsilon_accounted'])}\n" if power else "")
+        + f"privacy: epsilon <= {format_epsilon(record['epsilon_accounted'])} at delta = "
         f"{format_delta(record['delta'])} (accounted, {record['accountant'].upper()}); "
         f"{record['verdict_code']}"
         + (
