@@ -31,7 +31,12 @@ from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.methods import ENGINE_METHODS, Method
 from dpkfc_med.privacy.accounting import Accountant, PrivacyLedger, calibrate_noise_multiplier
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED, DPAdamBC
-from dpkfc_med.privacy.distributed import World, check_mechanism_on_every_rank, module_digests
+from dpkfc_med.privacy.distributed import (
+    World,
+    check_mechanism_on_every_rank,
+    module_digests,
+    unit_ids_digest,
+)
 from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.loader import check_loader_sampling, poisson_loader
@@ -311,6 +316,8 @@ class PrivacyEngine(PreconditionerRefreshes):
                     "noise_multiplier": noise_multiplier,
                     "sample_rate": self.sample_rate,
                     "units": n_units,
+                    # the same units in the same order: a unit owned by two ranks counts 2 C
+                    "unit_ids": unit_ids_digest(data_loader.dataset)[0],
                     "expected_batch_size": expected,
                     "delta": delta,
                     "loss_reduction": loss_reduction,

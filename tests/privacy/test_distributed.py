@@ -48,8 +48,12 @@ def _model(seed=1):
     return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
 
 
-def _engine(method, model, *, sigma, seed=5, secure=False, ledger=None, clip=C, extra=None):
+def _engine(
+    method, model, *, sigma, seed=5, secure=False, ledger=None, clip=C, extra=None, reverse=False
+):
     x, y = _data()
+    if reverse:  # the same units in another order
+        x, y = x.flip(0), y.flip(0)
     eng = PrivacyEngine(seed=None if secure else seed, secure_mode=secure)
     pm, popt, loader = eng.make_private(
         module=model,
@@ -122,6 +126,7 @@ def _run_job(rank, out, job):
             ledger=ledger,
             clip=own.get("clip", C),
             extra=own.get("extra"),
+            reverse=own.get("reverse", False),
         )
         result["world"] = [eng.world.rank, eng.world.size, eng.world.backend]
         result["expected_batch_size"] = popt.expected_batch_size
@@ -209,6 +214,7 @@ JOBS = {
         "extra": {"precision": "float32", "unit": "patient"},
         "rank1": {"extra": {"precision": "bf16", "unit": "patient"}},
     },
+    "differ-order": {"method": "dp-sgd", "sigma": 1.0, "steps": 1, "rank1": {"reverse": True}},
 }
 
 
@@ -305,6 +311,8 @@ def test_ranks_with_the_same_mechanism_train(two_ranks):
             ],
         ),
         ("differ-extra", [r"rank 1 has precision='bf16' where rank 0 has 'float32'"]),
+        # make_private itself, not only dpkfc-med train, compares the units in order
+        ("differ-order", [r"rank 1 has unit_ids='[0-9a-f]{16}' where rank 0 has '[0-9a-f]"]),
     ],
 )
 def test_ranks_with_another_mechanism_are_refused_before_any_step(job, wanted, two_ranks):
