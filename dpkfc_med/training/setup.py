@@ -77,7 +77,8 @@ def build_run_model(
     )
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)
     if finetune:  # model.pretrained and training.finetune, before any privacy wrapper
-        problems = same_data_problems(cfg.model.pretrained, task.data_record.get("sha256"))
+        record = getattr(task, "data_record", None) or {}
+        problems = same_data_problems(cfg.model.pretrained, record.get("sha256"))
         if problems:
             raise PretrainedWeightsError(problems)
         prepare_finetune(model, cfg.model, cfg.training)

@@ -16,6 +16,7 @@ import torch
 
 from dpkfc_med.cli import main
 from dpkfc_med.report import REPORT_FILES
+from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import load_config
 from dpkfc_med.training.run import RunInterrupted, train
 from tests.training.test_cli_classification import PNEUMONIA, _config, _report
@@ -73,8 +74,10 @@ def test_report_opens_with_one_verdict_and_the_looser_accountants_on_a_neutral_l
     assert rep["privacy"]["headline_warnings"] == []
     md = (run / REPORT_FILES["markdown"]).read_text()
     first = md.split("\n\n")[1]
-    assert first.startswith("**Valid DP release: yes**: epsilon") and "PRV" in first
-    assert "Other accountants, for reference" in md.split("\n\n")[2]
+    assert "> **Valid DP release: yes.** The released model" in first
+    assert "PRV accountant, which planned this run" in first
+    assert format_epsilon(eps["rdp"]) not in first  # the looser bound stays technical
+    assert "### Other accountants: bounds on the same mechanism" in md
     assert "disagree" not in md.lower() and "warning" not in md.split("## ")[0].lower()
 
 
