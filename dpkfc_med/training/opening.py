@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ __all__ = [
     "Opening",
     "carry_ledger",
     "check_output_dir",
+    "discard_run_dir",
+    "nothing_spent",
     "now",
     "open_run",
     "setup_logging",
@@ -248,6 +251,33 @@ def check_output_dir(run_dir: Path) -> None:
                 "this one writable (e.g. chmod u+w on it or its parent); nothing was written"
             ]
         ) from None
+
+
+def nothing_spent(run_dir: Path, iterations: int) -> bool:
+    """Whether a run folder holds neither spent budget nor anything trained.
+
+    True when its ledger records no noisy step (a run without a ledger, non-private: no
+    iteration began) and it holds no checkpoint and no model: removing such a folder loses
+    nothing and under-reports nothing.
+    """
+    if (run_dir / CHECKPOINT).exists() or (run_dir / "model.pt").exists():
+        return False
+    ledger = run_dir / LEDGER
+    if ledger.is_file():
+        try:
+            return int(json.loads(ledger.read_text(encoding="utf-8")).get("steps", 1)) == 0
+        except (OSError, ValueError, TypeError):
+            return False  # unreadable: keep it, it may record spent budget
+    return iterations == 0
+
+
+def discard_run_dir(run_dir: Path) -> None:
+    """Remove a run folder that holds nothing spent (:func:`nothing_spent`), log file included."""
+    for h in list(log.handlers):  # the run's train.log is open in it
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir.resolve():
+            log.removeHandler(h)
+            h.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening) -> None:

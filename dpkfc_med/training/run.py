@@ -61,6 +61,8 @@ from dpkfc_med.training.opening import (
     Opening,
     carry_ledger,
     check_output_dir,
+    discard_run_dir,
+    nothing_spent,
     now,
     open_run,
     setup_logging,
@@ -193,43 +195,57 @@ def train(
         )
     steps_per_epoch = max(1, math.ceil(n_units / batch))
     run_dir = cfg.run_dir()
+    fresh = not run_dir.exists()  # a failure before any noisy step then leaves nothing
     opening = open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)
     check_output_dir(run_dir)
     # ---------------------------------------------------------------- 2. start the run
-    start_run_files(cfg, task, run_dir, opening)
-    setup_logging(run_dir)
-    if opening.plan is not None:
-        log.info("privacy plan (%s): %s", opening.kind, describe_plan(opening.plan))
-    run = _Run(
-        cfg, task, run_dir, device, precision, model, fixes, opening.plan,
-        RunLog(selection_metric=task.selection_metric),
-    )  # fmt: skip
-    if cfg.pretrain.steps and opening.kind != "checkpoint":  # a checkpoint holds its weights
-        run.run_log.pretrain = pretrain(cfg, task, model, device)
-    if cfg.training.ema_decay is not None:  # copied before any wrapper hooks the model
-        run.average = WeightAverage(model, cfg.training.ema_decay)
-    run.trainer = _build_trainer(run, opening, batch, steps_per_epoch, instrument, decollate)
-    for handler in handlers:
-        handler.attach(run.trainer)
-    # ---------------------------------------------------------------- 3. train
-    trainer = run.trainer
-    reporter = PrivacyReportHandler(lambda status, ev: _finish(run, status, ev), run.finished)
-    reporter.attach(trainer)  # last: it sees every other handler's state
-    if stop_after_epochs is not None:
-        trainer.add_event_handler(
-            Events.EPOCH_COMPLETED(once=trainer.state.epoch + stop_after_epochs),
-            lambda engine: engine.terminate(),
-        )
+    run: _Run | None = None
     try:
+        start_run_files(cfg, task, run_dir, opening)
+        setup_logging(run_dir)
+        if opening.plan is not None:
+            log.info("privacy plan (%s): %s", opening.kind, describe_plan(opening.plan))
+        run = _Run(
+            cfg, task, run_dir, device, precision, model, fixes, opening.plan,
+            RunLog(selection_metric=task.selection_metric),
+        )  # fmt: skip
+        if cfg.pretrain.steps and opening.kind != "checkpoint":  # a checkpoint holds its weights
+            run.run_log.pretrain = pretrain(cfg, task, model, device)
+        if cfg.training.ema_decay is not None:  # copied before any wrapper hooks the model
+            run.average = WeightAverage(model, cfg.training.ema_decay)
+        run.trainer = _build_trainer(run, opening, batch, steps_per_epoch, instrument, decollate)
+        for handler in handlers:
+            handler.attach(run.trainer)
+        # ---------------------------------------------------------------- 3. train
+        trainer = run.trainer
+        reporter = PrivacyReportHandler(lambda status, ev: _finish(run, status, ev), run.finished)
+        reporter.attach(trainer)  # last: it sees every other handler's state
+        if stop_after_epochs is not None:
+            trainer.add_event_handler(
+                Events.EPOCH_COMPLETED(once=trainer.state.epoch + stop_after_epochs),
+                lambda engine: engine.terminate(),
+            )
         with backend_settings(device) as run.backends:
             if run.finished(trainer):  # a resumed run whose last epoch was already done
                 reporter.completed(trainer)
             else:
                 trainer.run()
     except KeyboardInterrupt:
+        if run is None:
+            raise
         raise RunInterrupted(_stopped_message(run, "interrupted")) from None
     except Exception:  # incl. BudgetExhaustedError: the report says what was spent
-        print(_stopped_message(run, "stopped by an error"), file=sys.stderr)
+        began = run.trainer.state.iteration if run is not None and run.trainer is not None else 0
+        if fresh and nothing_spent(run_dir, began):
+            discard_run_dir(run_dir)
+            print(
+                f"stopped by an error before the first noisy step: nothing was spent, and the "
+                f"new run folder {run_dir} was removed; fix the error and run the same command "
+                "again",
+                file=sys.stderr,
+            )
+        elif run is not None:
+            print(_stopped_message(run, "stopped by an error"), file=sys.stderr)
         raise
     return reporter.result
 
