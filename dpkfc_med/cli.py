@@ -382,7 +382,8 @@ def _tune(args: argparse.Namespace) -> int:
         print("released: nothing (no trial)")
     else:
         best = record["trials"][record["selected"]]
-        print(f"released: {out}/model.pt {best['params']}")
+        chosen = ", ".join(f"{k}={v}" for k, v in best["params"].items()) or "the base config"
+        print(f"released: {out}/model.pt ({chosen})")
         print(
             f"custodian only, never publish: trial {best['index']} of {record['count']} drawn "
             f"({private})"

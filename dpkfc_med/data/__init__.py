@@ -19,7 +19,13 @@ from dpkfc_med.data.paths import (
     resolve_data_path,
     sha256_file,
 )
-from dpkfc_med.data.splits import deterministic_split, load_split, save_split
+from dpkfc_med.data.splits import (
+    deterministic_split,
+    fractions_that_fill,
+    load_split,
+    read_split_file,
+    save_split,
+)
 from dpkfc_med.data.transforms import CropMode, IntensityNorm, segmentation_transforms
 from dpkfc_med.data.units import (
     UnitCollate,
@@ -47,6 +53,7 @@ __all__ = [
     "data_roots",
     "default_data_root",
     "deterministic_split",
+    "fractions_that_fill",
     "group_by_unit",
     "image_digests",
     "list_dicom_series",
@@ -55,6 +62,7 @@ __all__ = [
     "load_split",
     "medmnist_info",
     "read_dicom_series",
+    "read_split_file",
     "read_unit_ids_csv",
     "resolve_data_path",
     "save_split",

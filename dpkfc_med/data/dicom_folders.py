@@ -225,9 +225,7 @@ def load_dicom_segmentation_folder(
     if not folders and not problems:
         problems.append(f"no case folders with DICOM series found ({layout})")
     if unpaired and on_unpaired == "error":
-        problems += [
-            f"{m} (pair it, delete it, or pass on_unpaired='warn' to skip it)" for m in unpaired
-        ]
+        problems += [f"{m} (pair it, or move it out of the data folder)" for m in unpaired]
     elif unpaired:
         warnings.warn(
             f"{root}: skipped {len(unpaired)} unpaired case(s)/label(s): " + "; ".join(unpaired),

@@ -175,8 +175,7 @@ def load_image_mask_folder(
     dropped: list[str] = []
     if unpaired and on_unpaired == "error":
         problems += [
-            f"{m} (add the mask with the same file stem, delete the file, or pass "
-            "on_unpaired='warn' to skip it)"
+            f"{m} (add the mask with the same file stem, or move the file out of the data folder)"
             for m in unpaired
         ]
     elif unpaired:

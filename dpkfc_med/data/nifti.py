@@ -316,10 +316,7 @@ def load_segmentation_folder(
 
     dropped: list[str] = []
     if unpaired and on_unpaired == "error":
-        problems += [
-            f"{msg} (pair it, delete it, or pass on_unpaired='warn' to skip it)"
-            for _, msg in unpaired
-        ]
+        problems += [f"{msg} (pair it, or move it out of the data folder)" for _, msg in unpaired]
     elif unpaired:
         dropped = [msg for _, msg in unpaired]
         warnings.warn(

@@ -194,11 +194,9 @@ def load_pretrained(
         "or leave keys at their fresh initialisation with model.pretrained_skip: [regex, ...]"
     )
     if shapes:
-        first = shapes[0].split(" ", 1)[0]
         problems.append(
             f"{len(shapes)} shape mismatch(es) (file vs network), first: {'; '.join(shapes[:3])}"
-            f"; a different class count re-initialises the output layer with "
-            f"model.pretrained_skip: ['^{re.escape(first.rsplit('.', 1)[0])}\\.']"
+            f"; {_shape_fix(model, [s.split(' ', 1)[0] for s in shapes])}"
         )
     if missing:
         problems.append(
@@ -231,6 +229,22 @@ def load_pretrained(
         "dropped_keys": dropped,
         "path": str(file),
     }
+
+
+def _shape_fix(model: nn.Module, keys: list[str]) -> str:
+    """The fix for mismatched shapes: a class-count change only touches the output layer."""
+    params = [name for name, _ in model.named_parameters()]
+    out = params[-1].rsplit(".", 1)[0] if params else ""
+    if out and all(k.rsplit(".", 1)[0] == out for k in keys):
+        return (
+            "a different class count re-initialises the output layer with "
+            f"model.pretrained_skip: ['^{re.escape(out)}\\.'] (or maps its classes with "
+            "model.pretrained_class_map)"
+        )
+    return (
+        "the layers' widths differ from the file's: give model.name / model.kwargs (e.g. "
+        "channels, features) of the network the weights were trained with"
+    )
 
 
 def _map_classes(

@@ -67,6 +67,7 @@ CUSTODIAN_FILES: dict[str, str] = {
 CONFIG_PATHS = (
     "data.path",
     "data.unit_ids",
+    "data.split_file",
     "probes.public_data",
     "pretrain.cache_dir",
     "model.pretrained",

@@ -17,7 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -56,7 +56,8 @@ class SliceConfig:
 
     Attributes:
         axis: voxel axis of the volumes that the slices are cut across (0, 1 or 2; in
-            RAS-ordered volumes such as MSD's, 2 gives axial slices); null = off. The network
+            RAS-ordered volumes such as MSD's, 2 gives axial slices); null = off, as is the
+            whole section null (``slices: null``, ``--set data.slices=null``). The network
             is 2D, ``data.patch_size`` and ``data.spacing`` are in-plane (2 values), and the
             slices of a volume are evaluated and reported per volume.
         per_unit: slices of one volume per draw, all in that volume's one gradient (summed
@@ -67,6 +68,8 @@ class SliceConfig:
             on every draw, from the volume's own random stream) or ``even`` (evenly spaced,
             the same on every draw). Neither reads the labels.
     """
+
+    NULL_IS_DEFAULT: ClassVar[bool] = True  # ``data.slices: null`` = this section's defaults
 
     axis: int | None = None
     per_unit: int | None = 8
@@ -89,7 +92,19 @@ class DataConfig:
         max_train: use only this many training units (quick runs); ``null`` = all.
         max_eval: cap on validation/test items (quick runs).
         download: allow downloading a MedMNIST flag (needs internet).
-        split_fractions: train/val/test fractions for folders without a split (segmentation).
+        split_fractions: segmentation: train/val/test fractions of the keyed-hash split (each
+            case joins a split by a hash of its own id keyed by ``training.seed``). A small
+            folder can leave a split empty; the error then names fractions that fill every
+            split for the folder's case ids. Not used with ``split_file``.
+        split_file: segmentation: your own split instead of the hash, a JSON file with the
+            case ids of each split, ``{"train": [...], "val": [...], "test": [...]}`` (a
+            run's ``split.json`` has this form; ``val`` and ``test`` may be empty), or
+            nnU-Net's ``splits_final.json`` (``[{"train": [...], "val": [...]}, ...]``, one
+            entry per fold; the test split is empty unless the fold has a ``"test"`` list).
+            A relative path is looked up in the data folder first, then like ``path``. Each
+            case at most once; every listed case must be in the folder; cases of the folder
+            the file does not list are left out of the run (the data record counts them).
+        split_fold: the fold of an nnU-Net ``split_file`` (0-based).
         patch_size: segmentation: training patch (and probe) size, 3 values for volumes and
             2 for images or slices; required -- it shapes the preconditioner, so it must not be
             read off the private volumes. Whole volumes: give a patch at least as large as the
@@ -143,6 +158,8 @@ class DataConfig:
     max_eval: int | None = None
     download: bool = False
     split_fractions: list[float] = field(default_factory=lambda: [0.7, 0.15, 0.15])
+    split_file: str | None = None
+    split_fold: int = 0
     patch_size: list[int] | None = None
     patches_per_unit: int = 1
     spacing: list[float] | None = None
@@ -463,6 +480,9 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
             continue
         hint = hints[key]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            if value is None and getattr(hint, "NULL_IS_DEFAULT", False):
+                kwargs[key] = hint()  # an optional section cleared: its defaults are "off"
+                continue
             kwargs[key] = _build(hint, value, path, problems)
         else:
             kwargs[key] = _coerce(path, value, hint, problems)
@@ -480,7 +500,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a section cleared by an earlier KEY=null
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 problems.append(f"--set {key}: {part} is not a section")
                 break

@@ -90,6 +90,7 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
             f"data.channels={channels!r}: list each input channel's name once, in channel "
             "order (e.g. [t1n, t1c, t2w, t2f]), or leave it unset"
         )
+    problems.extend(_split_problems(cfg.data))
     d = cfg.privacy.delta
     if d is not None and not (isinstance(d, float) and 0 < d < 1):
         problems.append(f"privacy.delta={d!r}: must be in (0, 1), e.g. 1e-5")
@@ -150,6 +151,24 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
                 )
         if isinstance(err, ValueError):
             problems.extend(str(err).splitlines()[1:] or [str(err)])
+
+
+def _split_problems(d: Any) -> list[str]:
+    """``data.split_file`` / ``data.split_fold`` problems the config alone shows."""
+    problems: list[str] = []
+    if isinstance(d.split_fold, int) and d.split_fold < 0:
+        problems.append(
+            f"data.split_fold={d.split_fold}: must be >= 0 (the 0-based fold of an nnU-Net "
+            "splits_final.json)"
+        )
+    if d.split_file is not None and d.task != "segmentation":
+        problems.append(
+            "data.split_file: applies to segmentation folders (a classification .npz holds its "
+            "own train/val/test arrays); drop the field"
+        )
+    if d.split_file == "":
+        problems.append("data.split_file: empty; give the JSON file's path or null")
+    return problems
 
 
 def _finetune_problems(cfg: Any) -> list[str]:

@@ -59,7 +59,8 @@ _HEADER = """\
 A run is one YAML file (the shipped ones are in `configs/`). Every field below has a default
 except `data.path`. Unknown keys, wrong types and bad values are collected and reported
 together, each naming the dotted field and the fix; `dpkfc-med train CONFIG --set a.b=value`
-overrides a field (the value is parsed as YAML) and is validated the same way.
+overrides a field (the value is parsed as YAML) and is validated the same way;
+`--set data.slices=null` turns an optional section off.
 
 This page is generated from the typed config (`dpkfc_med/training/config.py` and
 `PreconditionerConfig` in `dpkfc_med/curvature/config.py`); regenerate it with

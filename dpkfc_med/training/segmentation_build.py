@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from dpkfc_med.data import (
     VolumeDataset,
     deterministic_split,
     load_segmentation_folder,
+    read_split_file,
     resolve_data_path,
     segmentation_transforms,
     sha256_file,
@@ -114,12 +117,71 @@ def _same_folder(a: Path, spec: str) -> bool:
         return False
 
 
+def _split_file(cfg: RunConfig, root: Path) -> Path:
+    """``data.split_file``: relative paths in the data folder first, then like ``data.path``."""
+    spec = str(cfg.data.split_file)
+    if not Path(spec).is_absolute() and (root / spec).is_file():
+        return root / spec
+    try:
+        return resolve_data_path(spec, kind="file")
+    except DataNotFoundError as err:
+        raise ConfigError([f"data.split_file={spec!r}: {err}"]) from None
+
+
+def _split(
+    cfg: RunConfig, cases: SegmentationCases, root: Path, own_data: bool
+) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    """The case ids of each split and how they were chosen (for the data record).
+
+    ``data.split_file`` names them for the run's own folder; otherwise (and for other data,
+    evaluated whole) each case joins a split by a hash of its id keyed by ``training.seed``.
+    An empty split of the hash is left to the caller, which reports the cases' problems first.
+    """
+    fractions, seed = cfg.data.split_fractions, cfg.training.seed
+    if cfg.data.split_file is not None and own_data:
+        path = _split_file(cfg, root)
+        split_ids, left_out = read_split_file(path, cases.case_ids, fold=cfg.data.split_fold)
+        fold = f" (nnU-Net fold {cfg.data.split_fold})" if _is_folds(path) else ""
+        rule = (  # no file name: the shareable report keeps no paths
+            f"the case ids of each split listed in data.split_file{fold}; the {len(left_out)} "
+            "case(s) of the folder it does not list are left out; max_train/max_eval keep the "
+            "first n ids of a split"
+        )
+        return split_ids, {"split_rule": rule, "left_out": len(left_out)}
+    try:  # an empty split is reported by the caller, after the cases: a bad case first
+        split_ids = deterministic_split(cases.case_ids, fractions, seed, allow_empty=True)
+    except ValueError as err:
+        raise ConfigError([f"data.split_fractions={fractions!r}: {err}"]) from None
+    return split_ids, {
+        "split_rule": (
+            f"deterministic_split(case ids, fractions={list(fractions)}, seed={seed}): each "
+            "case by a hash of its id keyed by the seed; max_train/max_eval keep the first n "
+            "ids of a split"
+        )
+    }
+
+
+def _is_folds(path: Path) -> bool:
+    """Whether a (checked) split file is nnU-Net's list of folds."""
+    return isinstance(json.loads(path.read_text(encoding="utf-8")), list)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (``None``: it all exists)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
 def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
     """Read and validate a segmentation folder into a :class:`SegmentationTask`.
 
     Every case in use is checked before anything is written (pairing, headers, image/label
     shape, readability, label values against the declared classes, and whether its image fits
-    the run's 2D / 3D layout); errors name the case and the file.
+    the run's 2D / 3D layout); errors name the case and the file. A folder of DICOM series is
+    converted into the run's custodian folder first; a refused build removes the folders it
+    created, so a refused run leaves no run folder behind.
 
     Args:
         cfg: the run configuration (``data.*``, ``training.seed``).
@@ -135,6 +197,20 @@ def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
         ConfigError: bad ``data.patch_size`` / ``data.spacing`` / ``data.split_fractions`` /
             ``data.spatial_dims`` / ``data.slices``.
     """
+    made = _first_missing(_dicom_cache(cfg))
+    try:
+        return _build_task(cfg, data_path)
+    except BaseException:
+        if made is not None:  # e.g. the run folder holding a DICOM conversion: nothing ran
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _dicom_cache(cfg: RunConfig) -> Path:
+    return cfg.run_dir() / "private_not_for_release" / "dicom_cache"
+
+
+def _build_task(cfg: RunConfig, data_path: str | None) -> SegmentationTask:
     if cfg.data.resize is not None:
         raise ConfigError(
             [
@@ -145,11 +221,10 @@ def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
     spec = data_path or cfg.data.path
     root = resolve_data_path(spec, kind="dir")
     # A folder of DICOM series is converted once into NIfTI in the run's custodian folder.
-    dicom_cache = cfg.run_dir() / "private_not_for_release" / "dicom_cache"
     cases = load_segmentation_folder(
         root,
         dicom_series=cfg.data.dicom_series,
-        cache_dir=dicom_cache,
+        cache_dir=_dicom_cache(cfg),
         channels=cfg.data.channels,
     )
     if cases.num_classes is None and cfg.data.num_classes is not None:
@@ -157,16 +232,13 @@ def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
         # now, before any pretraining or training (naming the case), not mid-run
         cases = replace(cases, num_classes=cfg.data.num_classes)
     fractions, seed = cfg.data.split_fractions, cfg.training.seed
-    try:  # an empty split is reported below, after the cases: a bad case is named first
-        split_ids = deterministic_split(cases.case_ids, fractions, seed, allow_empty=True)
-    except ValueError as err:
-        raise ConfigError([f"data.split_fractions={fractions!r}: {err}"]) from None
+    own_data = data_path is None or _same_folder(root, cfg.data.path)
+    split_ids, split_record = _split(cfg, cases, root, own_data)
     caps = {"train": cfg.data.max_train, "val": cfg.data.max_eval, "test": cfg.data.max_eval}
     for name, cap in caps.items():
         if cap is not None:
             split_ids[name] = split_ids[name][:cap]
     used = sorted({c for ids in split_ids.values() for c in ids})
-    own_data = data_path is None or _same_folder(root, cfg.data.path)
     # Foreign data is evaluated on every case; the run's own data only on the cases in use.
     checked = cases if not own_data else cases.select(used)
     problems: list[str] = []  # every config problem is reported at once
@@ -174,11 +246,14 @@ def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
     if not problems and (misfits := case_shape_problems(layout, checked)):
         raise DataValidationError(root, misfits)
     checked.validate_all()
-    if own_data:  # other data is evaluated whole ("all"), whatever its split
+    if own_data and cfg.data.split_file is None:  # other data is evaluated whole ("all")
         try:
             deterministic_split(cases.case_ids, fractions, seed)  # a split too small?
         except ValueError as err:
-            problems.append(f"data.split_fractions={fractions!r}: {err}")
+            problems.append(
+                f"data.split_fractions={fractions!r}: {err}; or list the cases of each split "
+                'in a JSON file, data.split_file ({"train": [...], "val": [...], "test": [...]})'
+            )
     declared = cfg.data.num_classes
     num_classes = cases.num_classes if cases.label_names else None  # dataset.json's
     classes_from = "dataset.json 'labels' (the task's declared classes)"
@@ -266,11 +341,7 @@ def build(cfg: RunConfig, data_path: str | None = None) -> SegmentationTask:
         "num_cases": len(cases),
         "splits": {name: len(ids) for name, ids in split_ids.items()},
         "split": split_ids,
-        "split_rule": (
-            f"deterministic_split(case ids, fractions={list(cfg.data.split_fractions)}, "
-            f"seed={cfg.training.seed}): each case by a hash of its id keyed by the seed; "
-            "max_train/max_eval keep the first n ids of a split"
-        ),
+        **split_record,
         "subset": {"max_train": cfg.data.max_train, "max_eval": cfg.data.max_eval},
         "num_classes_source": classes_from,
         "patch_size": list(patch),

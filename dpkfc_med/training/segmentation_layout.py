@@ -107,7 +107,8 @@ def resolve_layout(cfg: Any, cases: Any, problems: list[str]) -> SegmentationLay
         if pictures:
             problems.append(
                 f"data.slices: {cases.root} holds 2D PNG / JPEG images, not volumes to slice; "
-                "drop data.slices and give a 2-value data.patch_size"
+                "set data.slices to null (--set data.slices=null) and give a 2-value "
+                "data.patch_size"
             )
     else:
         dims = d.spatial_dims or n_patch or (2 if pictures else 3)
@@ -130,15 +131,18 @@ def resolve_layout(cfg: Any, cases: Any, problems: list[str]) -> SegmentationLay
 
 
 def case_shape_problems(layout: SegmentationLayout, cases: Any) -> list[str]:
-    """One line per case whose image does not fit the layout, naming the file and the fix."""
-    problems = []
+    """The cases whose image does not fit the layout, naming the files and the fix.
+
+    Cases that misfit the same way are one line (how many, the first few files, one fix), so a
+    folder of 2D images under a slicing config reads as one message, not one per case.
+    """
+    groups: dict[str, list[str]] = {}  # the problem and its fix -> the cases that have it
     for case in cases:
         n = layout.case_dims(case.shape)
-        name = case.image_path.name
         if layout.slices is not None and n != 3:
-            problems.append(
-                f"case {case.case_id}: image {name} is {n}-D {tuple(case.shape)}; data.slices "
-                "cuts 3-D volumes: drop data.slices for a folder of 2D images"
+            why = (
+                "data.slices cuts 3-D volumes: for a folder of 2D images set data.slices to "
+                "null (--set data.slices=null) and give a 2-value data.patch_size"
             )
         elif layout.slices is None and n != layout.spatial_dims:
             fix = (
@@ -147,8 +151,17 @@ def case_shape_problems(layout: SegmentationLayout, cases: Any) -> list[str]:
                 if n == 3
                 else "give a 2-value data.patch_size (and data.spacing) for 2D segmentation"
             )
-            problems.append(
-                f"case {case.case_id}: image {name} is {n}-D {tuple(case.shape)} but the run is "
-                f"{layout.spatial_dims}D; {fix}"
-            )
+            why = f"the run is {layout.spatial_dims}D; {fix}"
+        else:
+            continue
+        groups.setdefault(why, []).append(
+            f"case {case.case_id}: image {case.image_path.name} is {n}-D {tuple(case.shape)}"
+        )
+    problems = []
+    for why, found in groups.items():
+        if len(found) == 1:
+            problems.append(f"{found[0]} but {why}")
+        else:
+            shown = "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
+            problems.append(f"{len(found)} cases do not fit the run ({shown}): {why}")
     return problems

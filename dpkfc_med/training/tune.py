@@ -377,6 +377,11 @@ def _guarantee(record: Mapping[str, Any]) -> str:
     )
 
 
+def _values(values: Sequence[Any]) -> str:
+    """A grid's values as typed (``[0.05, 0.1]``), not as a list of strings."""
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
 def _markdown(r: Mapping[str, Any]) -> str:
     t = r["trial"]
     lines = [
@@ -399,7 +404,7 @@ def _markdown(r: Mapping[str, Any]) -> str:
         f"multiplier {t['noise_multiplier']:.4g}; validation score noise multiplier "
         f"{t['score_noise_multiplier']:.4g}; one trial alone: epsilon "
         f"{format_epsilon(t['epsilon_one_trial'])}",
-        "- grid: " + "; ".join(f"{k} in {v}" for k, v in r["grid"].items()),
+        "- grid: " + "; ".join(f"{k} in {_values(v)}" for k, v in r["grid"].items()),
         "",
         "## Released",
         "",

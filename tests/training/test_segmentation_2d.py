@@ -274,8 +274,9 @@ def _volume_folder(root: Path) -> Path:
         (
             "volumes",
             ["data.slices.axis=null", "data.patch_size=[8,8]"],
-            "case v0: image v0.nii.gz is 3-D (8, 8, 6) but the run is 2D; train on its slices with "
-            "data.slices.axis",
+            "cases do not fit the run (case v0: image v0.nii.gz is 3-D (8, 8, 6); case v1: image "
+            "v1.nii.gz is 3-D (8, 8, 6); case v2: image v2.nii.gz is 3-D (8, 8, 6); ...): the run "
+            "is 2D; train on its slices with data.slices.axis",
         ),
         (
             "volumes",
@@ -297,7 +298,8 @@ def _volume_folder(root: Path) -> Path:
         (
             "png",
             ["data.patch_size=[8,8]"],
-            "holds 2D PNG / JPEG images, not volumes to slice; drop data.slices",
+            "holds 2D PNG / JPEG images, not volumes to slice; set data.slices to null "
+            "(--set data.slices=null)",
         ),
         (
             "png",
