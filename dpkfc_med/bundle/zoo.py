@@ -394,31 +394,51 @@ def train_bundle(bundle_dir: str | Path, *, resume: bool = False, **options: Any
 
 
 def evaluate_bundle_run(
-    run_dir: str | Path, *, split: str = "test", device: str = "cpu"
+    run_dir: str | Path,
+    *,
+    split: str = "test",
+    device: str = "cpu",
+    data: str | Path | None = None,
+    save_predictions: bool = False,
 ) -> dict[str, Any]:
     """The bundle's ``validate#evaluator`` on a finished bundle run's released model.
 
     Args:
         run_dir: A finished ``dpkfc-med bundle train`` run.
-        split: ``val`` (``validate#dataset#data``) or ``test`` (``test#dataset#data``).
+        split: ``val`` (``validate#dataset#data``) or ``test`` (``test#dataset#data``);
+            unused with ``data``.
         device: Where the run's model is evaluated (the evaluator keeps the bundle's
             ``device``).
+        data: A segmentation folder of new cases (any layout ``dpkfc-med`` reads, DICOM series
+            included): all its cases, as items ``{"image", "label", "case_id"}`` (as
+            :func:`~dpkfc_med.bundle.datalists.segmentation_datalists` builds them), replace
+            the evaluator's data list; the split is then ``all``.
+        save_predictions: Also save each item's label map (the argmax of the evaluator's
+            ``pred``, taken back to the input's grid through its dataset's transform).
 
     Returns:
-        The metrics (named by the bundle's key metric, ``test_`` for the test split), ``n``,
-        ``overlap_with_training`` (evaluated items also in ``train#dataset#data``),
-        ``not_dp`` and the privacy note; also written to the run's custodian folder
-        (``evaluations/bundle_<split>.json``).
+        The metrics (named by the bundle's key metric, ``test_`` for the test split, ``all_``
+        for ``data``), ``n``, ``overlap_with_training`` (evaluated items whose image content
+        is a ``train#dataset#data`` item's), ``not_dp``, the privacy note and ``per_case``
+        (the per-case files, relative to the run directory); written to the run's custodian
+        folder (``evaluations/bundle_<split>.json``, or ``<folder>_all.json`` for ``data``,
+        beside a folder of the same name with MONAI ``MetricsSaver``'s files: ``metrics.csv``
+        and ``<metric>_raw.csv`` for each metric that keeps per-item details, and
+        ``predictions/``).
 
     Raises:
-        ConfigError: Not a finished bundle run, or a split the bundle has no data list for.
+        ConfigError: Not a finished bundle run, a split the bundle has no data list for, or
+            a ``data`` folder that cannot be read.
     """
     import json
+    import shutil
 
     import torch
 
-    from dpkfc_med.bundle.zoo_task import SPLIT_DATA, data_digest
+    from dpkfc_med.bundle.zoo_task import SPLIT_DATA
     from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
+    from dpkfc_med.training.evaluate import CaseCollector, item_image_digest
+    from dpkfc_med.training.segmentation_metrics import write_metric_reports
     from dpkfc_med.utils import write_json
 
     run = Path(run_dir)
@@ -431,21 +451,76 @@ def evaluate_bundle_run(
         )  # fmt: skip
     options = json.loads(stored.read_text())
     b = prepare_bundle(options.pop("bundle_dir"), **{**options, "out": run})
-    if split not in b.task.extra["splits"]:
+    cases = None
+    if data is not None:
+        from dpkfc_med.data import load_segmentation_folder, resolve_data_path
+
+        root = resolve_data_path(str(data), kind="dir")
+        cases = load_segmentation_folder(root, cache_dir=run / PRIVATE_DIR / "dicom_cache")
+        items = cases.data_dicts()
+        split, source, stem = "all", {"path": str(root), "cases": len(items)}, f"{root.name}_all"
+    elif split not in b.task.extra["splits"]:
         raise BundleConfigError(
             [f"--split {split}: the bundle has no {SPLIT_DATA.get(split, split)}; it evaluates "
-             f"{sorted(b.task.extra['splits'])} (data lists {', '.join(SPLIT_DATA.values())})"]
+             f"{sorted(b.task.extra['splits'])} (data lists {', '.join(SPLIT_DATA.values())}), "
+             "or pass --data FOLDER of new cases"]
+        )  # fmt: skip
+    else:
+        items = config_value(b.parser, SPLIT_DATA[split], []) or []
+        source, stem = {"bundle": b.options["bundle_dir"], "list": SPLIT_DATA[split]}, None
+    stem = stem or f"bundle_{split}"
+    if not has_id(b.parser, "validate#evaluator"):
+        raise BundleConfigError(
+            ["validate#evaluator: the bundle defines no evaluator; add one (a MONAI "
+             "SupervisedEvaluator with a key metric) to evaluate its runs"]
         )  # fmt: skip
     saved = torch.load(run / "model.pt", map_location="cpu", weights_only=False)
     b.network.load_state_dict(saved["model"])
-    model = b.network.to(torch.device(device))
-    train_items = {data_digest(i) for i in config_value(b.parser, "train#dataset#data", [])}
-    items = config_value(b.parser, SPLIT_DATA[split], []) or []
-    shared = sum(data_digest(i) in train_items for i in items)
-    metrics = b.task.evaluate(model, split, torch.device(device), 1, full=True)
+    model = b.network.to(torch.device(device)).eval()
+    train_images = {item_image_digest(i) for i in config_value(b.parser, "train#dataset#data")}
+    shared = sum(item_image_digest(i) in train_images for i in items)
+    # the evaluator reads validate#dataset#data; point it at the evaluated list
+    key = SPLIT_DATA["val"]
+    original = b.parser[key]
+    b.parser["network"] = model
+    b.parser[key] = items if data is not None else f"$@{SPLIT_DATA[split]}"
+    try:
+        evaluator = b.parser.get_parsed_content("validate#evaluator", lazy=False)
+    finally:
+        b.parser[key] = original
+    evaluator.network = model
+    out_dir = run / EVALUATIONS_DIR / stem
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a previous evaluation's items must not mix with these
+    names = b.task.label_names or [f"class{i}" for i in range(b.task.num_classes)]
+    collector = CaseCollector(
+        out_dir / "predictions" if save_predictions else None,
+        getattr(getattr(evaluator.data_loader, "dataset", None), "transform", None),
+        cases,
+        names[1:],
+    )
+    collector.attach(evaluator)
+    with torch.no_grad():
+        evaluator.run()
+
+    def renamed(name: str) -> str:
+        # the bundle names its metrics for validation (val_mean_dice): name them for the split
+        return name if split == "val" else f"{split}_{name.removeprefix('val_')}"
+
+    metrics = {
+        renamed(k): float(v)
+        for k, v in evaluator.state.metrics.items()
+        if isinstance(v, (int, float)) or getattr(v, "numel", lambda: 0)() == 1
+    }
+    written = write_metric_reports(out_dir, collector.filenames, metrics, {}, None)
+    for k, v in (getattr(evaluator.state, "metric_details", None) or {}).items():
+        width = v.shape[-1] if getattr(v, "ndim", 0) > 1 else 1
+        # the columns are named by the classes where they are the (foreground) classes
+        cls = {len(names) - 1: names[1:], len(names): names}.get(width)
+        written += write_metric_reports(out_dir, collector.filenames, {}, {renamed(k): v}, cls)
     out = {
         "run": str(run),
-        "data": {"bundle": b.options["bundle_dir"], "list": SPLIT_DATA[split]},
+        "data": source,
         "split": split,
         "not_dp": bool(shared),
         **(
@@ -456,12 +531,19 @@ def evaluate_bundle_run(
         ),
         "overlap_with_training": {
             "checked": True, "unit": "items", "evaluated": len(items), "shared": shared,
-            "method": "SHA-256 of each data-list item against train#dataset#data",
+            "method": "SHA-256 of each item's image file(s) (or array) against "
+                      "train#dataset#data",
         },
         "privacy_note": EVALUATION_NOTE,
         **metrics,
+        "n": len(items),
+        "per_case": {
+            "files": [str(p.relative_to(run)) for p in written],
+            "predictions": str((out_dir / "predictions").relative_to(run))
+            if save_predictions else None,
+        },
     }  # fmt: skip
-    write_json(run / EVALUATIONS_DIR / f"bundle_{split}.json", out)
+    write_json(run / EVALUATIONS_DIR / f"{stem}.json", out)
     return out
 
 

@@ -8,6 +8,13 @@ hashes) or cases (segmentation: case ids and image-file hashes) overlap the run'
 split. Figures on training data are not differentially private in any sense -- they can reveal
 which records were trained on -- so such a result carries ``not_dp: true`` and a ``warning``,
 which is also logged and issued as a :class:`TrainingDataEvaluationWarning`.
+
+Segmentation results are also written per case, beside the result's JSON in a folder of the same
+name, in the files of MONAI's ``MetricsSaver`` (``metrics.csv``; ``mean_dice_raw.csv`` and
+``hd95_raw.csv``: one row per case, one column per class and their ``mean``); with
+``save_predictions`` each case's predicted label map is saved there too (``predictions/``:
+NIfTI on the input image's grid and affine; DICOM-SEG beside it for a case read from a DICOM
+series). The figures are computed on those label maps.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
@@ -34,6 +44,14 @@ from dpkfc_med.data.cases import image_digest
 from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
+from dpkfc_med.training.segmentation_metrics import (
+    dice_scores,
+    hausdorff95_scores,
+    save_label_map,
+    summarise_cases,
+    voxel_spacing,
+    write_metric_reports,
+)
 from dpkfc_med.training.setup import build_run_model
 from dpkfc_med.training.task_build import build_task
 from dpkfc_med.training.tasks import Task
@@ -49,22 +67,31 @@ class TrainingDataEvaluationWarning(UserWarning):
 
 
 def evaluate_run(
-    run_dir: str | Path, *, data: str | None = None, split: str = "test", device: str = "cpu"
+    run_dir: str | Path,
+    *,
+    data: str | None = None,
+    split: str = "test",
+    device: str = "cpu",
+    save_predictions: bool = False,
 ) -> dict[str, Any]:
     """Metrics of the run's selected model on ``split`` of ``data`` (default: the run's data).
 
     Args:
         run_dir: A finished run directory (``config.yaml`` and ``model.pt``).
-        data: Another dataset of the same task; default the run's own data.
+        data: Another dataset of the same task; default the run's own data. For a bundle run,
+            a segmentation folder of new cases (all its cases are evaluated).
         split: ``train``, ``val``, ``test`` (or ``all`` for another segmentation folder).
         device: Where to run the model.
+        save_predictions: Segmentation: also save each case's predicted label map.
 
     Returns:
         The result, also written to ``RUN_DIR/private_not_for_release/evaluations/
         {data}_{split}.json``: the metrics, ``data``, ``split``, ``overlap_with_training``
         (how many evaluated images / cases are in the run's training split), ``not_dp``
         (true when they overlap, for ``--split train``, or when the overlap could not be
-        checked), ``warning`` (when ``not_dp``) and ``privacy_note``.
+        checked), ``warning`` (when ``not_dp``) and ``privacy_note``. Segmentation adds
+        ``per_case``: the per-case files (``metrics``, ``raw``) and ``predictions`` (a folder,
+        or ``None``), relative to the run directory.
 
     Raises:
         ConfigError: the run directory is incomplete or the data does not match the task.
@@ -81,13 +108,9 @@ def evaluate_run(
     if str((raw.get("model") or {}).get("name", "")).startswith("bundle:"):
         from dpkfc_med.bundle.zoo import evaluate_bundle_run
 
-        if data is not None:
-            raise ConfigError(
-                ["--data: a bundle run is evaluated on its bundle's own data lists (--split "
-                 "val or test); for other data, export it (dpkfc-med bundle export) and run "
-                 "the bundle's inference"], str(run)
-            )  # fmt: skip
-        return evaluate_bundle_run(run, split=split, device=device)
+        return evaluate_bundle_run(
+            run, split=split, device=device, data=data, save_predictions=save_predictions
+        )
     trained = config_from_dict(copy.deepcopy(raw), str(run / "config.yaml"))
     cfg = config_from_dict(raw, str(run / "config.yaml"))
     cfg.data.max_train = None
@@ -134,7 +157,15 @@ def evaluate_run(
     model, _ = build_run_model(cfg, task, finetune=False)  # model.pt is a plain network
     model.load_state_dict(saved["model"])
     model.to(dev).eval()
-    metrics = task.evaluate(model, split, dev, cfg.training.eval_batch_size, full=True)
+    stem = Path(task.data_record["path"]).stem
+    cases_dir = run / EVALUATIONS_DIR / f"{stem}_{split}"
+    if task.kind == "segmentation":
+        metrics = evaluate_cases(
+            task, model, split, dev, cfg.training.eval_batch_size, cases_dir,
+            save_predictions=save_predictions, run=run,
+        )  # fmt: skip
+    else:
+        metrics = task.evaluate(model, split, dev, cfg.training.eval_batch_size, full=True)
     out = {
         "run": str(run),
         "data": task.data_record,
@@ -147,9 +178,200 @@ def evaluate_run(
         "privacy_note": EVALUATION_NOTE,
         **metrics,
     }
-    stem = Path(task.data_record["path"]).stem
     write_json(run / EVALUATIONS_DIR / f"{stem}_{split}.json", out)
     return json.loads(json.dumps(out, default=str))
+
+
+def evaluate_cases(
+    task: Task,
+    model: torch.nn.Module,
+    split: str,
+    device: torch.device,
+    batch_size: int,
+    out_dir: Path,
+    *,
+    save_predictions: bool = False,
+    run: Path | None = None,
+) -> dict[str, Any]:
+    """Dice and Hausdorff-95 of each case of ``split``, written per case, with the summary.
+
+    Each volume goes through the task's evaluation transform (kept as MONAI ``MetaTensor``),
+    is predicted as in :meth:`~dpkfc_med.training.segmentation.SegmentationTask.predict`, and
+    the prediction and label are taken back to the input's grid (MONAI ``Invertd``: the
+    evaluation padding removed), where they are scored and saved.
+
+    Args:
+        task: A segmentation task whose ``extra["splits"][split]`` holds the cases.
+        model: The network, in eval mode.
+        split: The evaluated split.
+        device: Where the model lives.
+        batch_size: Windows per forward pass of the sliding-window inferer.
+        out_dir: The folder of the per-case files (replaced).
+        save_predictions: Also write ``out_dir/predictions/<case_id>.nii.gz`` (and
+            ``<case_id>_seg.dcm`` for a case read from a DICOM series).
+        run: The run directory the returned paths are relative to.
+
+    Returns:
+        :func:`~dpkfc_med.training.segmentation_metrics.summarise_cases`' figures,
+        ``hd95_unit``, ``per`` for a 2D network on slices, and ``per_case`` (the files).
+    """
+    from monai.data import MetaTensor
+    from monai.transforms import Invertd
+
+    volumes = task.extra["splits"][split].data  # the VolumeDataset behind the cached items
+    cases = task.extra["cases"]
+    names = task._foreground_names()  # type: ignore[attr-defined]
+    invert = Invertd(
+        keys=["pred", "label"],
+        transform=volumes.transform,
+        orig_keys=["image", "label"],
+        nearest_interp=True,
+    )
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a previous evaluation's cases must not mix with these
+    pred_dir = out_dir / "predictions"
+    dice_rows, hd_rows, filenames = [], [], []
+    for record in volumes.records:
+        cid = record["case_id"]
+        try:
+            item = volumes.transform(dict(record))
+        except Exception as err:
+            raise DataValidationError(
+                volumes.cases.root,
+                [f"case {cid}: transform failed ({type(err).__name__}: {err.__cause__ or err}); "
+                 "check the files or run validate_all()"],
+            ) from err  # fmt: skip
+        image = item["image"]
+        pred = task.predict(model, image.as_tensor()[None], device, batch_size)  # type: ignore[attr-defined]
+        item["pred"] = MetaTensor(pred[0])
+        item = invert(item)
+        pred_map = item["pred"].to(torch.int64)
+        label = item["label"].to(torch.int64)
+        dice_rows.append(dice_scores(pred_map[None], label[None], task.num_classes))
+        spacing = voxel_spacing(image[None], task.spacing)
+        hd_rows.append(hausdorff95_scores(pred_map[None], label[None], task.num_classes, spacing))
+        case = cases[cid]
+        folder = getattr(case, "series_folder", None)
+        filenames.append(str(folder if folder is not None else case.image_path))
+        if save_predictions:
+            save_prediction(pred_map, pred_dir / cid, case, names)
+    k = len(names)
+    dice = torch.cat(dice_rows).numpy() if dice_rows else np.zeros((0, k))
+    hd = torch.cat(hd_rows).numpy() if hd_rows else np.zeros((0, k))
+    out = summarise_cases(dice, hd, names)
+    out["hd95_unit"] = (
+        "pixels (PNG / JPEG carry no pixel size)"
+        if task.extra.get("reader") == "PILReader"
+        else "mm (voxel spacing of each volume's header)"
+    )
+    if task.extra.get("slices") is not None:
+        out["per"] = "volume (each patient's slices predicted and scored together)"
+    figures = {"mean_dice": out["mean_dice"]}
+    for key, label_ in (("dice", "dice_per_class"), ("hd95", "hd95_per_class")):
+        figures.update({f"{key}_{n}": v for n, v in out[label_].items()})
+    written = write_metric_reports(
+        out_dir, filenames, figures, {"mean_dice": dice, "hd95": hd}, names
+    )
+    base = run if run is not None else out_dir.parent
+    out["per_case"] = {
+        "metrics": str(written[0].relative_to(base)),
+        "raw": [str(p.relative_to(base)) for p in written[1:]],
+        "predictions": str(pred_dir.relative_to(base)) if save_predictions else None,
+    }
+    return out
+
+
+def save_prediction(
+    label_map: Any, path: Path, case: Any | None, names: Sequence[str]
+) -> list[Path]:
+    """Save a predicted label map ``[1, *S]`` (a ``MetaTensor`` on the input's grid).
+
+    Always ``path.nii.gz`` (the input's affine); for a case read from a DICOM series
+    (:class:`~dpkfc_med.data.dicom_convert.DicomSegmentationCase`) also ``path_seg.dcm``, a
+    DICOM-SEG on the series' own slices (:func:`write_dicom_seg`).
+
+    Returns:
+        The written files.
+    """
+    written = [save_label_map(label_map, path)]
+    if case is not None and getattr(case, "series_folder", None) is not None:
+        seg = path.with_name(f"{path.name}_seg.dcm")
+        write_dicom_seg(label_map, case, names, seg)
+        written.append(seg)
+    return written
+
+
+def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path) -> None:
+    """A DICOM-SEG (``highdicom``) of ``label_map`` on the slices of the case's series.
+
+    The label map lies on the series' NIfTI conversion (voxel axes: columns, rows, slices
+    sorted along the slice normal, as :func:`~dpkfc_med.data.dicom_convert.convert_case` reads
+    them); each foreground class is one segment, numbered by its class id and labelled by
+    ``names``.
+
+    Raises:
+        ImportError: ``highdicom`` is not installed (``pip install 'dpkfc-med[dicom]'``).
+        DataValidationError: The series no longer matches the label map (files changed).
+    """
+    try:
+        import highdicom as hd
+    except ImportError as err:
+        raise ImportError(
+            f"{path.name}: a DICOM-SEG of a DICOM input needs highdicom; pip install "
+            "'dpkfc-med[dicom]' (or pip install highdicom), or evaluate without "
+            "--save-predictions"
+        ) from err
+    import pydicom
+    from pydicom.sr.codedict import codes
+
+    import dpkfc_med
+    from dpkfc_med.data.dicom_scan import check_series, scan_case
+
+    scan = scan_case(case.series_folder, case.case_id)
+    slices, problems = check_series(
+        case.case_id, case.series_uid, scan.series.get(case.series_uid, [])
+    )
+    frames = np.asarray(label_map[0]).transpose(2, 1, 0)  # [slices, rows, columns]
+    if not problems and (len(slices), *slices[0].size) != frames.shape:
+        problems = [
+            f"case {case.case_id}: series {case.series_uid} has {len(slices)} slices of "
+            f"{slices[0].size} (rows, columns), the prediction {frames.shape}; evaluate again "
+            "(the series changed since it was read)"
+        ]
+    if problems:
+        raise DataValidationError(case.series_folder, problems)
+    algorithm = hd.AlgorithmIdentificationSequence(
+        name="dpkfc-med", version=dpkfc_med.__version__, family=codes.DCM.ArtificialIntelligence
+    )
+    segments = [
+        hd.seg.SegmentDescription(
+            segment_number=number,
+            segment_label=str(name),
+            segmented_property_category=codes.SCT.Tissue,
+            segmented_property_type=codes.SCT.Tissue,
+            algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
+            algorithm_identification=algorithm,
+        )
+        for number, name in enumerate(names, start=1)
+    ]
+    seg = hd.seg.Segmentation(
+        source_images=[pydicom.dcmread(str(s.path)) for s in slices],
+        pixel_array=frames.astype(np.uint8 if len(names) < 256 else np.uint16),
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+        segment_descriptions=segments,
+        series_instance_uid=hd.UID(),
+        series_number=9901,
+        sop_instance_uid=hd.UID(),
+        instance_number=1,
+        manufacturer="dpkfc-med",
+        manufacturer_model_name="dpkfc-med evaluate",
+        software_versions=dpkfc_med.__version__,
+        device_serial_number="none",
+        series_description="dpkfc-med prediction (custodian only, not for release)",
+        omit_empty_frames=False,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seg.save_as(str(path))
 
 
 def _selected_epoch(run: Path) -> int | None:
@@ -279,3 +501,106 @@ def _training_case_ids(run: Path, trained: RunConfig, cases: Any) -> list[str]:
     ids = deterministic_split(cases.case_ids, trained.data.split_fractions, trained.training.seed)
     train = list(ids["train"])
     return train[: trained.data.max_train] if trained.data.max_train else train
+
+
+class CaseCollector:
+    """Ignite handler on a bundle's evaluator: each item's input and, optionally, its label map.
+
+    At every iteration it records each evaluated item's input file (the ``filename`` column
+    of MONAI's ``MetricsSaver``) and, with ``pred_dir``, saves the item's prediction as a
+    label map (argmax over channels) on the input's grid: taken back through the evaluator
+    dataset's transform (MONAI ``Invertd``) and written by :func:`save_prediction`.
+
+    Args:
+        pred_dir: Where label maps go (``None``: none saved).
+        transform: The evaluator dataset's transform (what ``Invertd`` undoes).
+        cases: Case id -> case of the evaluated folder (a DICOM series case also gets a
+            DICOM-SEG), or ``None``.
+        names: Foreground class names (DICOM-SEG segment labels).
+    """
+
+    def __init__(
+        self,
+        pred_dir: Path | None,
+        transform: Any,
+        cases: Any = None,
+        names: Sequence[str] = (),
+    ) -> None:
+        self.pred_dir, self.transform, self.cases, self.names = pred_dir, transform, cases, names
+        self.filenames: list[str] = []
+        self.saved: list[Path] = []
+
+    def attach(self, engine: Any) -> None:
+        """Collect at each iteration of ``engine`` (from its first epoch on)."""
+        from monai.utils import min_version, optional_import
+
+        events, _ = optional_import("ignite.engine", "0.4.11", min_version, "Events")
+        engine.add_event_handler(events.EPOCH_STARTED, self._reset)
+        engine.add_event_handler(events.ITERATION_COMPLETED, self)
+
+    def _reset(self, _engine: Any) -> None:
+        self.filenames, self.saved = [], []
+
+    def __call__(self, engine: Any) -> None:
+        from monai.data import decollate_batch
+
+        batch, output = engine.state.batch, engine.state.output
+        batch = decollate_batch(batch) if isinstance(batch, dict) else batch
+        output = decollate_batch(output) if isinstance(output, dict) else output
+        for item, out in zip(batch, output):
+            image = item.get("image")
+            meta = getattr(image, "meta", {}) or {}
+            name = str(meta.get("filename_or_obj", len(self.filenames)))
+            self.filenames.append(name)
+            if self.pred_dir is not None:
+                self._save(item, out, name)
+
+    def _save(self, item: dict[str, Any], out: dict[str, Any], name: str) -> None:
+        from monai.data import MetaTensor
+        from monai.transforms import Invertd
+
+        pred = torch.as_tensor(out["pred"]).detach().cpu()
+        label_map = pred.argmax(0, keepdim=True) if pred.shape[0] > 1 else pred.round()
+        data: dict[Any, Any] = {"image": item["image"], "pred": MetaTensor(label_map.long())}
+        if self.transform is not None:
+            data = dict(
+                Invertd("pred", self.transform, orig_keys="image", nearest_interp=True)(data)
+            )
+        else:
+            data["pred"].meta = dict(getattr(item["image"], "meta", {}))
+        cid = str(item.get("case_id") or _stem(name))
+        case = self.cases[cid] if self.cases is not None and cid in self.cases.case_ids else None
+        assert self.pred_dir is not None  # called only when label maps are saved
+        self.saved += save_prediction(data["pred"].long(), self.pred_dir / cid, case, self.names)
+
+
+def _stem(name: str) -> str:
+    """A file's name without its image suffixes (``case.nii.gz`` -> ``case``)."""
+    base = Path(name).name
+    for suffix in (".nii.gz", ".nii", ".png", ".jpg", ".jpeg", ".dcm"):
+        if base.lower().endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def item_image_digest(item: Any) -> str:
+    """SHA-256 of a data-list item's image: of its file(s) by content, else of its array.
+
+    A case copied or linked elsewhere has the digest of its source, so new cases are checked
+    against a training list by content, not by path.
+    """
+    import hashlib
+
+    from dpkfc_med.bundle.zoo_task import data_digest, names_files
+    from dpkfc_med.data.paths import sha256_file
+
+    image = item.get("image") if isinstance(item, dict) else item
+    if names_files(image):
+        files = image if isinstance(image, (list, tuple)) else [image]
+        digests = [sha256_file(str(f)) for f in files]
+        return (
+            digests[0]
+            if len(digests) == 1
+            else hashlib.sha256(" ".join(digests).encode()).hexdigest()
+        )
+    return data_digest(image)
