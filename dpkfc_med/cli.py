@@ -140,6 +140,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="split to evaluate (a segmentation folder other than the run's own: all its cases)",
     )
     e.add_argument("--device", default="cpu")
+    e.add_argument(
+        "--save-predictions",
+        action="store_true",
+        help="segmentation: also save each case's predicted label map (NIfTI on the input's "
+        "grid; DICOM-SEG too for a DICOM series) under the evaluation's folder",
+    )
     r = sub.add_parser(
         "report",
         help="re-render the human-readable privacy report from privacy_report.json",
@@ -469,7 +475,10 @@ def _bundle(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dpkfc-med`` console script."""
+    from dpkfc_med.console import quiet_third_party
+
     args = _build_parser().parse_args(argv)
+    quiet_third_party()
     handlers = {
         "train": _train,
         "federated": _federated,
