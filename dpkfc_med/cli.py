@@ -128,8 +128,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "evaluate",
         help="metrics of a trained run on a MedMNIST file / NIfTI folder of the same task",
         description="Evaluate the selected model of RUN_DIR on a split of any dataset of the same "
-        "task (same input shape and classes). Results go to "
-        "RUN_DIR/private_not_for_release/evaluations/.",
+        "task (same input shape and classes); a bundle run on its data lists or on a folder of "
+        "new cases (--data). Results go to RUN_DIR/private_not_for_release/evaluations/: the "
+        "figures (JSON) and, for segmentation, per-case metrics (MONAI MetricsSaver CSV files) "
+        "and, with --save-predictions, the predicted label maps.",
     )
     e.add_argument("run_dir")
     e.add_argument("--data", help="dataset to evaluate on (default: the run's own data)")
@@ -403,7 +405,13 @@ def _tune(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from dpkfc_med.training.evaluate import evaluate_run
 
-    out = evaluate_run(args.run_dir, data=args.data, split=args.split, device=args.device)
+    out = evaluate_run(
+        args.run_dir,
+        data=args.data,
+        split=args.split,
+        device=args.device,
+        save_predictions=args.save_predictions,
+    )
     print(json.dumps(_short(out), indent=1))
     return 0
 
@@ -475,10 +483,7 @@ def _bundle(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dpkfc-med`` console script."""
-    from dpkfc_med.console import quiet_third_party
-
     args = _build_parser().parse_args(argv)
-    quiet_third_party()
     handlers = {
         "train": _train,
         "federated": _federated,
