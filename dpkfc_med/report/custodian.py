@@ -72,6 +72,8 @@ CONFIG_PATHS = (
     "pretrain.cache_dir",
     "model.pretrained",
     "output.dir",
+    "tracking.uri",
+    "tracking.custodian_uri",
 )
 """Run-config fields that hold paths: never in the shareable part (names can identify people)."""
 
@@ -447,6 +449,25 @@ def _not_covered_items(report: Mapping[str, Any]) -> list[tuple[str, str, str]]:
                 "(e.g. the un-noised training loss) is computed from the private records without "
                 "noise and is not covered; it stays with the data custodian "
                 f"({PRIVATE_DIR}/ and the console).",
+            )
+        )
+    tracking = ((report.get("run") or {}).get("config") or {}).get("tracking") or {}
+    if tracking.get("backend") not in (None, "none"):
+        where = (
+            "it was sent where tracking.custodian_uri points (named in the custodian report), "
+            f"outside {PRIVATE_DIR}/: whoever can read it there sees these statistics"
+            if tracking.get("custodian_uri")
+            else f"it stays with the data custodian ({PRIVATE_DIR}/tracking/)"
+        )
+        items.append(
+            (
+                "custodian",
+                f"the custodian {tracking['backend']} tracking stream (un-noised losses, "
+                "validation scores, clipping diagnostics)",
+                f"The custodian {tracking['backend']} tracking stream (tracking.backend): the "
+                "training loss, validation scores and clipping diagnostics it logged are computed "
+                f"from the private records without noise and are not covered; {where}. The "
+                "shareable stream holds only what this report holds.",
             )
         )
     return items

@@ -37,6 +37,7 @@ __all__ = [
     "ProbeConfig",
     "RunConfig",
     "SliceConfig",
+    "TrackingConfig",
     "TrainingConfig",
     "load_config",
 ]
@@ -380,6 +381,41 @@ class OutputConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking with TensorBoard or MLflow, in a shareable and a custodian stream.
+
+    Attributes:
+        backend: ``none``, ``tensorboard`` (event files) or ``mlflow`` (needs
+            ``pip install 'dpkfc-med[tracking]'``). Two streams are written. The shareable
+            stream holds the epsilon after every noisy step, the recipe (the config without
+            its paths, the privacy plan) and the released model's version (SHA-256 of
+            ``model.pt``, status, package version); it is written once, when the privacy report
+            is, from that report alone, with no per-step times (they would follow the secret
+            batch sizes). The custodian stream is written live by MONAI's handlers: the
+            un-noised training loss and clipping diagnostics per step, the validation score
+            and the spent epsilon per epoch; none of it is covered by the guarantee.
+        uri: where the shareable stream goes: a folder (TensorBoard's event files, or an
+            MLflow SQLite store ``mlflow.db``), or an MLflow tracking URI (``sqlite:///...``,
+            ``http(s)://`` of a shared server; ``file://`` stores are refused by MLflow and
+            MONAI). ``null`` = ``<run>/tracking``. ``MLFLOW_TRACKING_URI`` is ignored.
+        custodian_uri: where the custodian stream goes; ``null`` (the default, and the safe
+            choice) = ``<run>/private_not_for_release/tracking``. WARNING: setting it sends
+            un-noised statistics of the private data (losses, validation scores, clipping
+            diagnostics, batch sizes) there, outside the run's custodian folder: set it only to
+            a place as closed as ``private_not_for_release/``, never to a shared server whose
+            readers may not see the private data. The report lists the custodian stream as
+            not covered, and says when it left ``private_not_for_release/``.
+        experiment: the MLflow experiment of both streams (run names: the run's name, and the
+            run's name with ``-private_not_for_release`` for the custodian stream).
+    """
+
+    backend: str = "none"
+    uri: str | None = None
+    custodian_uri: str | None = None
+    experiment: str = "dpkfc-med"
+
+
+@dataclass
 class RunConfig:
     """A complete run description."""
 
@@ -393,6 +429,7 @@ class RunConfig:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     preconditioner: dict[str, Any] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     # ------------------------------------------------------------------ derived
     @property

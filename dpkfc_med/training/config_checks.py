@@ -13,6 +13,7 @@ from typing import Any
 
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.engines.handlers.tracking import TrackingBackend, mlflow_location
 from dpkfc_med.methods import METHODS
 from dpkfc_med.models.finetune import FinetuneMode
 from dpkfc_med.models.fix import NormChoice
@@ -42,6 +43,7 @@ CHOICES: dict[str, list[str]] = {
     "probes.target": [t.value for t in TargetRule],
     "model.norm": [n.value for n in NormChoice],
     "training.finetune": [m.value for m in FinetuneMode],
+    "tracking.backend": [b.value for b in TrackingBackend],
 }
 POSITIVE = {
     "privacy.target_epsilon",
@@ -117,6 +119,7 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
             "available for segmentation; set pretrain.steps to 0 for classification"
         )
     problems.extend(_finetune_problems(cfg))
+    problems.extend(_tracking_problems(cfg.tracking))
     if isinstance(cfg.training.warmup_steps, int) and cfg.training.warmup_steps < 0:
         problems.append(f"training.warmup_steps={cfg.training.warmup_steps}: must be >= 0")
     nm = cfg.privacy.noise_multiplier
@@ -168,6 +171,40 @@ def _split_problems(d: Any) -> list[str]:
         )
     if d.split_file == "":
         problems.append("data.split_file: empty; give the JSON file's path or null")
+    return problems
+
+
+def _tracking_problems(t: Any) -> list[str]:
+    """``tracking.*`` problems: where each stream goes, for the chosen backend."""
+    problems = []
+    places = {"tracking.uri": t.uri, "tracking.custodian_uri": t.custodian_uri}
+    if t.backend == TrackingBackend.NONE.value:
+        problems.extend(
+            f"{name}: only applies with tracking.backend tensorboard or mlflow; set the backend "
+            "or drop the field"
+            for name, value in places.items()
+            if value is not None
+        )
+        return problems
+    for name, value in places.items():
+        if value == "":
+            problems.append(f"{name}: empty; give a folder or URI, or null for the default")
+        elif isinstance(value, str) and t.backend == TrackingBackend.MLFLOW.value:
+            try:
+                mlflow_location(value)
+            except ValueError as err:
+                problems.append(f"{name}={err}")
+        elif isinstance(value, str) and "://" in value:
+            problems.append(
+                f"{name}={value!r}: TensorBoard writes event files to a folder; give a folder path"
+            )
+    if t.backend == TrackingBackend.TENSORBOARD.value and t.uri and t.uri == t.custodian_uri:
+        problems.append(
+            f"tracking.custodian_uri={t.custodian_uri!r}: the same folder as tracking.uri would "
+            "mix the custodian stream into the shareable one; give each its own folder"
+        )
+    if not (isinstance(t.experiment, str) and t.experiment.strip()):
+        problems.append("tracking.experiment: empty; name the MLflow experiment (e.g. dpkfc-med)")
     return problems
 
 

@@ -33,6 +33,7 @@ from dpkfc_med.training.config import (
     ProbeConfig,
     RunConfig,
     SliceConfig,
+    TrackingConfig,
     TrainingConfig,
 )
 from dpkfc_med.training.config_checks import CHOICES as _CHOICES
@@ -50,6 +51,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("pretrain", PretrainConfig),
     ("preconditioner", PreconditionerConfig),
     ("output", OutputConfig),
+    ("tracking", TrackingConfig),
 )
 """``(YAML section, dataclass)`` in the order of the page; ``""`` is the top level."""
 
@@ -133,6 +135,19 @@ _INTROS = {
         "Settings of the probe-only preconditioner (methods `dp-kfc`, `dp-kfc-white`, "
         "`dp-kfc-public`); see [method.md](method.md). `num_probes` defaults to "
         "`probes.num_probes`."
+    ),
+    "tracking": (
+        "Experiment tracking with TensorBoard or MLflow (`pip install 'dpkfc-med[tracking]'`), "
+        "e.g. `dpkfc-med train CONFIG --set tracking.backend=mlflow`. A run writes two "
+        "streams. The **shareable** one (default `<run>/tracking/`: event files, or an MLflow "
+        "SQLite store `mlflow.db`) holds only what the shareable privacy report holds: epsilon "
+        "per noisy step, the recipe, the released model's SHA-256. The **custodian** one "
+        "(default `<run>/private_not_for_release/tracking/`) holds the un-noised losses, "
+        "validation scores and clipping diagnostics, which the guarantee does not cover: it "
+        "leaves the custodian folder only if you set `custodian_uri` yourself, so a shared "
+        "tracking server set as `uri` never receives un-noised statistics. View them with "
+        "`tensorboard --logdir runs/NAME` or `mlflow ui --backend-store-uri "
+        "sqlite:///runs/NAME/tracking/mlflow.db` (the UI needs the full `mlflow` package)."
     ),
 }
 

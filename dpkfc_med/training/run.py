@@ -46,6 +46,12 @@ from dpkfc_med.engines.handlers import (
     WeightAverageHandler,
     atomic_torch_save,
 )
+from dpkfc_med.engines.handlers.tracking import (
+    CustodianTracking,
+    ShareableTracking,
+    TrackingPlan,
+    plan_tracking,
+)
 from dpkfc_med.models.finetune import finetune_report, released_state_dict
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
@@ -195,6 +201,7 @@ def train(
         )
     steps_per_epoch = max(1, math.ceil(n_units / batch))
     run_dir = cfg.run_dir()
+    tracking = _tracking(cfg, run_dir)  # a missing package stops the run before its folder
     fresh = not run_dir.exists()  # a failure before any noisy step then leaves nothing
     opening = open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)
     check_output_dir(run_dir)
@@ -220,6 +227,8 @@ def train(
         trainer = run.trainer
         reporter = PrivacyReportHandler(lambda status, ev: _finish(run, status, ev), run.finished)
         reporter.attach(trainer)  # last: it sees every other handler's state
+        if tracking is not None:  # after the report: the shareable stream is read off it
+            ShareableTracking(tracking, run_dir).attach(trainer)
         if stop_after_epochs is not None:
             trainer.add_event_handler(
                 Events.EPOCH_COMPLETED(once=trainer.state.epoch + stop_after_epochs),
@@ -301,6 +310,9 @@ def _build_trainer(
             finished=run.finished,
         )
     )
+    tracking = _tracking(cfg, run.run_dir)
+    if tracking is not None:  # after validation and the epsilon: it logs both per epoch
+        handlers.append(CustodianTracking(tracking))
     checkpointer = BudgetSafeCheckpointer(run.run_dir / CHECKPOINT, log_, model, run.average)
     handlers.append(checkpointer)
     trainer = PrivateTrainer(
@@ -328,6 +340,22 @@ def _build_trainer(
     if engine is not None and instrument is not None:
         instrument(engine, popt)
     return trainer
+
+
+def _tracking(cfg: RunConfig, run_dir: Path) -> TrackingPlan | None:
+    """Where the run's tracking streams go (``tracking``), or ``None`` when off."""
+    t = cfg.tracking
+    try:
+        return plan_tracking(
+            t.backend,
+            run_dir,
+            uri=t.uri,
+            custodian_uri=t.custodian_uri,
+            experiment=t.experiment,
+            run_name=cfg.name,
+        )
+    except ModuleNotFoundError as err:
+        raise ConfigError([str(err)]) from None
 
 
 def _make_private(
