@@ -130,6 +130,7 @@ def test_tuning_releases_the_best_trial_and_survives_a_kill(tmp_path, monkeypatc
     report = json.loads((out / "tuning_report.json").read_text())
     assert report["epsilon"] <= 4.0 and report["released"]["params"] == best["params"]
     shared = (out / "tuning_report.md").read_text()
+    assert "training.lr in [0.05, 0.1]" in shared  # the grid as typed, not as strings
     other = [t for t in record["trials"] if t["index"] != best["index"]][0]
     assert f"{other['score']:.3f}" not in shared  # other trials' scores stay with the custodian
     for path in out.iterdir():  # nothing outside the custodian folder holds another's score
