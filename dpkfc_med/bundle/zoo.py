@@ -541,6 +541,7 @@ def evaluate_bundle_run(
             "files": [str(p.relative_to(run)) for p in written],
             "predictions": str((out_dir / "predictions").relative_to(run))
             if save_predictions else None,
+            **({"dicom_seg_not_written": collector.problems} if collector.problems else {}),
         },
     }  # fmt: skip
     write_json(run / EVALUATIONS_DIR / f"{stem}.json", out)

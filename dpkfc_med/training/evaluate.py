@@ -231,6 +231,7 @@ def evaluate_cases(
         shutil.rmtree(out_dir)  # a previous evaluation's cases must not mix with these
     pred_dir = out_dir / "predictions"
     dice_rows, hd_rows, filenames = [], [], []
+    dicom_problems: list[str] = []
     for record in volumes.records:
         cid = record["case_id"]
         try:
@@ -254,7 +255,7 @@ def evaluate_cases(
         folder = getattr(case, "series_folder", None)
         filenames.append(str(folder if folder is not None else case.image_path))
         if save_predictions:
-            save_prediction(pred_map, pred_dir / cid, case, names)
+            save_prediction(pred_map, pred_dir / cid, case, names, dicom_problems)
     k = len(names)
     dice = torch.cat(dice_rows).numpy() if dice_rows else np.zeros((0, k))
     hd = torch.cat(hd_rows).numpy() if hd_rows else np.zeros((0, k))
@@ -277,18 +278,25 @@ def evaluate_cases(
         "metrics": str(written[0].relative_to(base)),
         "raw": [str(p.relative_to(base)) for p in written[1:]],
         "predictions": str(pred_dir.relative_to(base)) if save_predictions else None,
+        **({"dicom_seg_not_written": dicom_problems} if dicom_problems else {}),
     }
     return out
 
 
 def save_prediction(
-    label_map: Any, path: Path, case: Any | None, names: Sequence[str]
+    label_map: Any,
+    path: Path,
+    case: Any | None,
+    names: Sequence[str],
+    problems: list[str] | None = None,
 ) -> list[Path]:
     """Save a predicted label map ``[1, *S]`` (a ``MetaTensor`` on the input's grid).
 
     Always ``path.nii.gz`` (the input's affine); for a case read from a DICOM series
     (:class:`~dpkfc_med.data.dicom_convert.DicomSegmentationCase`) also ``path_seg.dcm``, a
-    DICOM-SEG on the series' own slices (:func:`write_dicom_seg`).
+    DICOM-SEG on the series' own slices (:func:`write_dicom_seg`). A DICOM-SEG that cannot be
+    written (no ``highdicom``, a series without the tags it must reference) is skipped with a
+    sentence appended to ``problems`` (and logged); the NIfTI file is written all the same.
 
     Returns:
         The written files.
@@ -296,8 +304,15 @@ def save_prediction(
     written = [save_label_map(label_map, path)]
     if case is not None and getattr(case, "series_folder", None) is not None:
         seg = path.with_name(f"{path.name}_seg.dcm")
-        write_dicom_seg(label_map, case, names, seg)
-        written.append(seg)
+        try:
+            write_dicom_seg(label_map, case, names, seg)
+        except (ImportError, DataValidationError) as err:
+            text = str(err).strip()
+            log.warning("DICOM-SEG not written: %s", text)
+            if problems is not None:
+                problems.append(text)
+        else:
+            written.append(seg)
     return written
 
 
@@ -311,7 +326,8 @@ def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path)
 
     Raises:
         ImportError: ``highdicom`` is not installed (``pip install 'dpkfc-med[dicom]'``).
-        DataValidationError: The series no longer matches the label map (files changed).
+        DataValidationError: The series no longer matches the label map (files changed), or
+            its slices lack the ``FrameOfReferenceUID`` a DICOM-SEG must reference.
     """
     try:
         import highdicom as hd
@@ -338,6 +354,15 @@ def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path)
             f"{slices[0].size} (rows, columns), the prediction {frames.shape}; evaluate again "
             "(the series changed since it was read)"
         ]
+    sources = [] if problems else [pydicom.dcmread(str(s.path)) for s in slices]
+    lacking = [s.path.name for s, ds in zip(slices, sources) if not ds.get("FrameOfReferenceUID")]
+    if lacking:
+        problems = [
+            f"case {case.case_id}: {len(lacking)} of the {len(slices)} slices of series "
+            f"{case.series_uid} (e.g. {lacking[0]}) have no FrameOfReferenceUID, which a "
+            "DICOM-SEG must reference; re-export the series with its Frame of Reference "
+            "module (the NIfTI label map is written)"
+        ]
     if problems:
         raise DataValidationError(case.series_folder, problems)
     algorithm = hd.AlgorithmIdentificationSequence(
@@ -355,7 +380,7 @@ def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path)
         for number, name in enumerate(names, start=1)
     ]
     seg = hd.seg.Segmentation(
-        source_images=[pydicom.dcmread(str(s.path)) for s in slices],
+        source_images=sources,
         pixel_array=frames.astype(np.uint8 if len(names) < 256 else np.uint16),
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
         segment_descriptions=segments,
@@ -529,6 +554,8 @@ class CaseCollector:
         self.pred_dir, self.transform, self.cases, self.names = pred_dir, transform, cases, names
         self.filenames: list[str] = []
         self.saved: list[Path] = []
+        self.problems: list[str] = []
+        """Why a DICOM-SEG was not written (:func:`save_prediction`)."""
 
     def attach(self, engine: Any) -> None:
         """Collect at each iteration of ``engine`` (from its first epoch on)."""
@@ -539,7 +566,7 @@ class CaseCollector:
         engine.add_event_handler(events.ITERATION_COMPLETED, self)
 
     def _reset(self, _engine: Any) -> None:
-        self.filenames, self.saved = [], []
+        self.filenames, self.saved, self.problems = [], [], []
 
     def __call__(self, engine: Any) -> None:
         from monai.data import decollate_batch
@@ -571,7 +598,10 @@ class CaseCollector:
         cid = str(item.get("case_id") or _stem(name))
         case = self.cases[cid] if self.cases is not None and cid in self.cases.case_ids else None
         assert self.pred_dir is not None  # called only when label maps are saved
-        self.saved += save_prediction(data["pred"].long(), self.pred_dir / cid, case, self.names)
+        pred_map = data["pred"].long()
+        self.saved += save_prediction(
+            pred_map, self.pred_dir / cid, case, self.names, self.problems
+        )
 
 
 def _stem(name: str) -> str:

@@ -186,3 +186,51 @@ def test_a_bundle_run_evaluates_new_cases_per_case_with_label_maps(bundle_run, t
         assert saved.shape == source.shape and np.allclose(affine, source_affine)
         for c, n in enumerate(("anterior", "posterior"), start=1):
             assert _close(_dice(saved, label, c), float(r[n]), 1e-6), (image.name, n)
+
+
+def test_dicom_series_get_a_dicom_seg_on_their_own_slices(run, tmp_path):
+    """A DICOM input: the DICOM-SEG, read back on the series' slices, is the NIfTI label map."""
+    import highdicom as hd
+
+    from dpkfc_med.data.dicom_scan import check_series, scan_case
+    from tests.data.test_data_dicom import _dicom_dataset
+
+    ids = [Path(n).name.removesuffix(".nii.gz") for n in _images()[-2:]]
+    import pydicom
+    from pydicom.uid import generate_uid
+
+    root = _dicom_dataset(HIPPO, tmp_path / "dicom_cases", ids)  # re-gridded, turned 90 deg
+    frame = generate_uid()  # a real series has one; the test writer leaves it out
+    for path in (root / "imagesTr" / ids[0]).glob("*.dcm"):
+        ds = pydicom.dcmread(str(path))
+        ds.FrameOfReferenceUID = frame
+        ds.save_as(str(path))
+    assert main(["evaluate", str(run), "--data", str(root), "--save-predictions"]) == 0
+    folder = run / "private_not_for_release" / "evaluations" / "dicom_cases_all"
+    out = json.loads(folder.with_suffix(".json").read_text(encoding="utf-8"))
+    # the second series cannot carry a DICOM-SEG: said, its NIfTI map written all the same
+    (problem,) = out["per_case"]["dicom_seg_not_written"]
+    assert f"case {ids[1]}:" in problem and "FrameOfReferenceUID" in problem
+    assert not (folder / "predictions" / f"{ids[1]}_seg.dcm").exists()
+    _, rows = _rows(folder / "mean_dice_raw.csv")
+    assert sorted(Path(r["filename"]) for r in rows) == [root / "imagesTr" / c for c in ids]
+    names = _rows(folder / "mean_dice_raw.csv")[0][1:-1]
+    for r in rows:
+        cid = Path(r["filename"]).name
+        saved, affine = _nifti(folder / "predictions" / f"{cid}.nii.gz")
+        label, label_affine = _nifti(root / "labelsTr" / f"{cid}.nii.gz")
+        assert saved.shape == label.shape and np.allclose(affine, label_affine, atol=1e-4)
+        for c, n in enumerate(names, start=1):
+            assert _close(_dice(saved, label, c), float(r[n]), 1e-6), (cid, n)
+        if cid != ids[0]:
+            continue
+        seg = hd.seg.segread(str(folder / "predictions" / f"{cid}_seg.dcm"))
+        assert [s.segment_label for s in seg.SegmentSequence] == names
+        series = scan_case(root / "imagesTr" / cid, cid).series
+        (slices,) = series.values()
+        slices, problems = check_series(cid, slices[0].series_uid, slices)
+        assert not problems
+        frames = seg.get_pixels_by_source_instance(
+            source_sop_instance_uids=[s.sop_uid for s in slices], combine_segments=True
+        )
+        np.testing.assert_array_equal(np.asarray(frames), saved.transpose(2, 1, 0))
