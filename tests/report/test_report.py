@@ -67,6 +67,12 @@ def example_full(**overrides):
                 "probes": {"public_data": "/data/public/proxy.npz"},
                 "pretrain": {"cache_dir": "/data/ward7/cache"},
                 "output": {"dir": "runs/{name}"},
+                # path fields, to test their move (a real config sets them with a backend)
+                "tracking": {
+                    "backend": "none",
+                    "uri": "https://tracking.example.org",
+                    "custodian_uri": "/data/ward7/tracking",
+                },
             },
             "seed": 0,
             "device": "cpu",

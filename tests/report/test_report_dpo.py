@@ -100,6 +100,7 @@ def test_not_covered_is_grouped_and_lists_only_what_this_run_has_once():
     config["data"]["unit_ids"] = None
     config["probes"]["public_data"] = None
     config["pretrain"]["cache_dir"] = None
+    config["tracking"] = {"backend": "none", "uri": None, "custodian_uri": None}
     report = _stated(full)
     md = render_markdown(report)
     section = md[md.index("## What the guarantee does not cover") : md.index("## What to keep")]
