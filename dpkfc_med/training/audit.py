@@ -330,9 +330,9 @@ def power_sentence(power: dict[str, Any], accounted: float) -> str:
             "bug (use more canaries, --canaries)"
         )
     return (
-        f"with {times} it would show epsilon >= {bound:.3f} (one simulated run from the plan: "
-        f"{power['correct']}/{power['guesses']} correct) and refute the accounted epsilon while "
-        f"at most {power['tolerated_wrong']} of {power['guesses']} guesses are wrong"
+        f"with {times} this audit would show epsilon >= {bound:.3f} (one simulated run from the "
+        f"plan: {power['correct']}/{power['guesses']} correct) and refute the accounted epsilon "
+        f"while at most {power['tolerated_wrong']} of its {power['guesses']} guesses are wrong"
     )
 
 

@@ -47,6 +47,7 @@ from dpkfc_med.training.audit import (
     DEFAULT_CANARIES,
     audit_run_dir,
     format_audit,
+    power_sentence,
     run_audit,
 )
 from dpkfc_med.training.config import ConfigError, load_config
@@ -414,6 +415,12 @@ def test_power_is_one_simulated_run_of_the_broken_plan_tested_as_an_audit():
     direct = audit_scores(scores, included, delta=1e-5, plan=_DEMO8)
     assert direct.epsilon_lower_bound == power.epsilon_lower_bound
     assert direct.verdict == Verdict.REFUTED and direct.power == power.to_dict()
+    assert power_sentence(power.to_dict(), _DEMO8.epsilon(1e-5)) == (
+        f"with 10x too little noise this audit would show epsilon >= "
+        f"{power.epsilon_lower_bound:.3f} (one simulated run from the plan: "
+        f"{power.correct}/{power.guesses} correct) and refute the accounted epsilon while at "
+        f"most {power.tolerated_wrong} of its {power.guesses} guesses are wrong"
+    )
 
 
 def _with_data_spikes(plan: GaussianPlan, m: int, seed: int, noise_scale: float):
