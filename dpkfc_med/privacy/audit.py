@@ -322,9 +322,9 @@ NULL_DOF = 3.0
 
 Data gradients at a coordinate are heavy-tailed (a few units now and then move it by more than
 ``C``). Under a Gaussian null the credit of a residual ``e`` grows like ``C e / s^2`` without
-limit, so one data spike of ``2 C`` on a quiet coordinate outscores ten canary draws; under a
-Student-t null a residual far from ``C`` earns almost nothing, and only residuals near ``C``
-count as draws."""
+limit, so one data spike of ``2 C`` on a quiet coordinate counts as three canary draws and a
+few such spikes put an excluded canary among the most confident guesses; under a Student-t null
+a residual far from ``C`` earns almost nothing, and only residuals near ``C`` count as draws."""
 
 DEFAULT_CANARY_CHOICES = (5000, 10000, 20000)
 """Canary counts tried, in order, by :func:`default_canaries`."""
