@@ -483,7 +483,10 @@ def _bundle(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dpkfc-med`` console script."""
+    from dpkfc_med.console import quiet_third_party
+
     args = _build_parser().parse_args(argv)
+    quiet_third_party()
     handlers = {
         "train": _train,
         "federated": _federated,
@@ -506,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as err:
         # User errors (config, data, plan) carry their own explanation and fix.
         print(f"error: {err}", file=sys.stderr)
+        for note in getattr(err, "__notes__", ()):  # e.g. that a refused run left nothing
+            print(note, file=sys.stderr)
         return 2
 
 

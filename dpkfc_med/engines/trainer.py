@@ -186,6 +186,7 @@ class PrivateTrainer(SupervisedTrainer):
         if max_physical_batch is not None and max_physical_batch < 1:
             raise ValueError(f"max_physical_batch={max_physical_batch} must be >= 1 or None")
         self.max_physical_batch = max_physical_batch
+        self.decollated = decollate
         self.nonprivate_steps = 0  # steps of a non-private run (the private ones: the ledger)
         self.state.stop_error = None
         self.state.step_loss = float("nan")  # the last step's mean per-sample loss
@@ -253,6 +254,8 @@ class PrivateTrainer(SupervisedTrainer):
         self.state.step_samples = len(x)
         if ran:
             self.fire_event(IterationEvents.MODEL_COMPLETED)
+        elif self.decollated:  # the per-sample form handlers read: one entry, its loss nan
+            self.state.output = [{Keys.LOSS: output[Keys.LOSS]}]
         return self.state.output  # decollated by MONAI at MODEL_COMPLETED when asked
 
     def _unit_chunks(self, units: Tensor | None, n: int) -> list[Tensor]:

@@ -204,6 +204,7 @@ def pretrain_synthetic(
     cache_dir: str | Path | None = None,
     loss_id: str | None = None,
     channels: int = 1,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Train ``model`` in place on :func:`synthetic_shapes` batches; returns the provenance.
 
@@ -225,6 +226,7 @@ def pretrain_synthetic(
         loss_id: identifies ``loss`` in the cache key (required with ``cache_dir``).
         channels: image channels of the synthetic volumes: the network's input channels
             (the cache key already holds them through the network's structure).
+        progress: show a progress bar over the steps (console).
     """
 
     def draw(step: int) -> tuple[Tensor, Tensor]:
@@ -239,7 +241,7 @@ def pretrain_synthetic(
         )
 
     if cache_dir is None:
-        return _pretrain(model, spec, loss, draw, spatial_shape, alpha, device)
+        return _pretrain(model, spec, loss, draw, spatial_shape, alpha, device, progress)
     if not loss_id:
         raise ValueError("pretrain_synthetic: cache_dir needs a loss_id naming the loss")
     key = pretrain_cache_key(
@@ -261,7 +263,7 @@ def pretrain_synthetic(
             model.train()
             log.info("data-free pretraining: weights loaded from the cache (%s)", path)
             return {**saved["record"], "cache": {"key": key, "reused": True}}
-        record = _pretrain(model, spec, loss, draw, spatial_shape, alpha, device)
+        record = _pretrain(model, spec, loss, draw, spatial_shape, alpha, device, progress)
         buf = io.BytesIO()
         state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
         torch.save({"state_dict": state, "record": record}, buf)
@@ -277,12 +279,22 @@ def _pretrain(
     spatial_shape: Sequence[int],
     alpha: float,
     device: torch.device,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """The pretraining steps themselves; ``draw(t)`` is step ``t``'s synthetic batch."""
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     model.train()
     last = float("nan")
+    bar = tqdm(
+        total=spec.steps,
+        desc="data-free pretraining (synthetic shapes, no data)",
+        unit="step",
+        leave=False,
+        disable=not progress,
+    )
     for step in range(spec.steps):
         x, y = draw(step)
         opt.zero_grad(set_to_none=True)
@@ -290,6 +302,9 @@ def _pretrain(
         out.backward()
         opt.step()
         last = float(out.detach())
+        bar.update()
+        bar.set_postfix(loss=f"{last:.3f}", refresh=False)
+    bar.close()
     seconds = time.perf_counter() - t0
     log.info(
         "data-free pretraining: %d steps on synthetic shapes, last loss %.3f, %.1f s",

@@ -183,28 +183,36 @@ def train(
     except ValueError as err:
         raise ConfigError([str(err)]) from None
     # ---------------------------------------------------------------- 1. validate all input
-    task = build_task(cfg, data_path) if task is None else task
-    seed_everything(cfg.training.seed)
-    model, fixes = build_run_model(cfg, task) if network is None else network
-    model.to(device)
-    n_units = len(task.train_set)  # type: ignore[arg-type]
-    if n_units == 0:
-        raise PlanError("the training split is empty")
-    batch = min(cfg.training.batch_size, n_units)
-    if batch < cfg.training.batch_size:
-        print(
-            f"training.batch_size={cfg.training.batch_size} is more than the {n_units} training "
-            f"units: every step draws each unit with probability 1 (q = 1, expected batch "
-            f"{n_units}); lower training.batch_size for subsampling, which amplifies privacy",
-            file=sys.stderr,
-            flush=True,
-        )
-    steps_per_epoch = max(1, math.ceil(n_units / batch))
     run_dir = cfg.run_dir()
-    tracking = _tracking(cfg, run_dir)  # a missing package stops the run before its folder
-    fresh = not run_dir.exists()  # a failure before any noisy step then leaves nothing
-    opening = open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)
-    check_output_dir(run_dir)
+    # a failure before any noisy step then leaves nothing (building the task may write into
+    # the run folder already: a DICOM folder's conversion cache)
+    fresh = not run_dir.exists()
+    try:
+        task = build_task(cfg, data_path) if task is None else task
+        seed_everything(cfg.training.seed)
+        model, fixes = build_run_model(cfg, task) if network is None else network
+        model.to(device)
+        n_units = len(task.train_set)  # type: ignore[arg-type]
+        if n_units == 0:
+            raise PlanError("the training split is empty")
+        batch = min(cfg.training.batch_size, n_units)
+        if batch < cfg.training.batch_size:
+            print(
+                f"training.batch_size={cfg.training.batch_size} is more than the {n_units} "
+                "training units: every step draws each unit with probability 1 (q = 1, expected "
+                f"batch {n_units}); lower training.batch_size for subsampling, which amplifies "
+                "privacy",
+                file=sys.stderr,
+                flush=True,
+            )
+        steps_per_epoch = max(1, math.ceil(n_units / batch))
+        tracking = _tracking(cfg, run_dir)  # a missing package stops the run before its folder
+        opening = open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)
+        check_output_dir(run_dir)
+    except Exception:  # a refusal after the task wrote into a new folder (a DICOM cache)
+        if fresh and run_dir.exists() and nothing_spent(run_dir, 0):
+            discard_run_dir(run_dir)
+        raise
     # ---------------------------------------------------------------- 2. start the run
     run: _Run | None = None
     try:
@@ -243,16 +251,18 @@ def train(
         if run is None:
             raise
         raise RunInterrupted(_stopped_message(run, "interrupted")) from None
-    except Exception:  # incl. BudgetExhaustedError: the report says what was spent
+    except Exception as err:  # incl. BudgetExhaustedError: the report says what was spent
         began = run.trainer.state.iteration if run is not None and run.trainer is not None else 0
         if fresh and nothing_spent(run_dir, began):
             discard_run_dir(run_dir)
-            print(
-                f"stopped by an error before the first noisy step: nothing was spent, and the "
-                f"new run folder {run_dir} was removed; fix the error and run the same command "
-                "again",
-                file=sys.stderr,
+            note = (
+                "stopped before the first noisy step: nothing was spent, and the new run folder "
+                f"{run_dir} was removed; fix the error and run the same command again"
             )
+            if hasattr(err, "add_note"):  # shown after the error (the CLI prints notes)
+                err.add_note(note)
+            else:  # Python 3.10
+                print(note, file=sys.stderr)
         elif run is not None:
             print(_stopped_message(run, "stopped by an error"), file=sys.stderr)
         raise
@@ -380,6 +390,13 @@ def _make_private(
             "refresh_budget": cfg.probes.refresh_budget,
             "probe_seed": cfg.probes.seed,
         }
+    if method.preconditioned and cfg.training.progress:  # the first refresh can take minutes
+        print(
+            f"{method.value}: building the preconditioner from {cfg.probes.num_probes} synthetic "
+            "probes (no data) before the first step ...",
+            file=sys.stderr,
+            flush=True,
+        )
     network, popt, private_loader = engine.make_private(
         module=run.model,
         optimizer=optimizer,
@@ -399,6 +416,12 @@ def _make_private(
         },
         **kw,
     )
+    if method.preconditioned and cfg.training.progress and engine.refreshes:
+        print(
+            f"{method.value}: preconditioner built in {engine.refreshes[0]['seconds']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     plan_r = engine.refresh_plan
     if plan_r.get("rule") == "auto":
         log.info(

@@ -121,6 +121,7 @@ def pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device)
         cache_dir=(cfg.run_dir().parent / PRETRAIN_CACHE if p.cache_dir == "auto" else p.cache_dir),
         loss_id=f"{type(task).__module__}.{type(task).__qualname__}.loss",
         channels=task.in_channels,
+        progress=cfg.training.progress,
     )
 
 
