@@ -209,6 +209,12 @@ def save_label_map(label_map: Any, path: str | Path) -> Path:
     """
     from monai.transforms import SaveImage
 
+    meta = getattr(label_map, "meta", {}) or {}
+    shape = [int(v) for v in np.asarray(meta.get("spatial_shape", ())).ravel()]
+    if len(shape) > label_map.ndim - 1 and math.prod(shape) == label_map[0].numel():
+        # a 2-D case stored (X, Y, 1) was squeezed to 2-D: its map takes the file's shape back
+        # (else SaveImage reads the channel as a spatial axis); the file is then (X, Y)
+        label_map = label_map.reshape(1, *shape)
     values = label_map.max().item() if label_map.numel() else 0
     saver = SaveImage(
         output_ext=".nii.gz",
