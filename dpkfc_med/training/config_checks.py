@@ -176,7 +176,7 @@ def _split_problems(d: Any) -> list[str]:
 
 def _tracking_problems(t: Any) -> list[str]:
     """``tracking.*`` problems: where each stream goes, for the chosen backend."""
-    problems = []
+    problems: list[str] = []
     places = {"tracking.uri": t.uri, "tracking.custodian_uri": t.custodian_uri}
     if t.backend == TrackingBackend.NONE.value:
         problems.extend(

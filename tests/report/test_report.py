@@ -63,7 +63,11 @@ def example_full(**overrides):
             "config": {
                 "method": "dp-kfc",
                 "privacy": {"target_epsilon": 2.0},
-                "data": {"path": "/data/ward7/breastmnist.npz", "unit_ids": "/data/ward7/ids.csv"},
+                "data": {
+                    "path": "/data/ward7/breastmnist.npz",
+                    "unit_ids": "/data/ward7/ids.csv",
+                    "split_file": "/data/ward7/splits.json",
+                },
                 "probes": {"public_data": "/data/public/proxy.npz"},
                 "pretrain": {"cache_dir": "/data/ward7/cache"},
                 "output": {"dir": "runs/{name}"},

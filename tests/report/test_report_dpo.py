@@ -95,9 +95,10 @@ def test_not_covered_is_grouped_and_lists_only_what_this_run_has_once():
     from dpkfc_med.report.custodian import NOT_COVERED_GROUPS, kept_in_house, not_covered_groups
 
     full = example_full()
-    # a run that uses no unit-id file, no public proxy path, no pretraining cache
+    # a run that uses no unit-id or split file, no public proxy path, no pretraining cache
     config = full["run"]["config"]
     config["data"]["unit_ids"] = None
+    config["data"]["split_file"] = None
     config["probes"]["public_data"] = None
     config["pretrain"]["cache_dir"] = None
     config["tracking"] = {"backend": "none", "uri": None, "custodian_uri": None}
