@@ -386,9 +386,10 @@ def audit_section(report: Mapping[str, Any]) -> list[Block]:
             "lower bound on epsilon: a test of the accounted plan's trade-off curve (f-DP, "
             "Mahloujifar, Melis and Chaudhuri 2025), with the bound of Steinke, Nasr and "
             "Jagielski (2023) as a cross-check. A lower bound below the accounted epsilon is "
-            "expected; one above it would show a broken mechanism. The ceiling is the largest "
-            "bound the audit's settings could show: below the accounted epsilon it cannot "
-            "refute anything."
+            "expected; one above it would show a broken mechanism. The audit's power is the "
+            "bound one simulated run of the same plan with 10x too little noise reaches, and "
+            "how many wrong guesses its refutation survives: an audit that could not refute "
+            "that mechanism says so in its verdict."
         ),
         kv_table(rows),
     ]
