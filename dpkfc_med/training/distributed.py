@@ -76,6 +76,8 @@ def _rank_config(cfg: RunConfig, world: World, resume: bool) -> tuple[RunConfig,
             cfg,
             output=replace(cfg.output, dir=str(own)),
             training=replace(cfg.training, progress=False),
+            # rank 0 alone tracks the run (its streams would be written once per rank)
+            tracking=replace(cfg.tracking, backend="none", uri=None, custodian_uri=None),
         )
         dist.barrier()  # rank 0 touches nothing before every copy is made
         return rank_cfg, tmp

@@ -46,6 +46,11 @@ OPERATIONAL_FIELDS = frozenset(
         "output.dir",
         "pretrain.cache_dir",  # where identical pretrained weights are kept, not what they are
         "data.path",  # allowed only when the data's fingerprint is unchanged (checked by the loop)
+        # where the run's tracking streams go: observers of the run, not part of it
+        "tracking.backend",
+        "tracking.uri",
+        "tracking.custodian_uri",
+        "tracking.experiment",
     }
 )
 """Fields a resumed run may change freely: they touch neither the mechanism nor the model."""
