@@ -103,6 +103,11 @@ CUSTODIAN_FOLDER_FILES: dict[str, str] = {
     "split.json": "case ids of each split (segmentation)",
     "overlays/*.png": "slices of private images with ground truth and prediction (segmentation)",
     "evaluations/*.json": "results of `dpkfc-med evaluate` (computed on the evaluated data)",
+    "evaluations/*/": "per-case metrics (MetricsSaver CSV layout) of each evaluation, and with "
+    "--save-predictions its label maps (NIfTI, DICOM-SEG for DICOM inputs)",
+    "bundle_handlers/": "what a bundle's own handlers wrote (TensorBoard, MLflow, MetricsSaver, "
+    "...), every output folder moved here",
+    "tracking/": "the custodian tracking stream (tracking.backend; losses, validation, clipping)",
 }
 """Files that may appear under :data:`PRIVATE_DIR`, and what they hold."""
 
