@@ -224,6 +224,7 @@ def prepare_bundle(
     from dpkfc_med.models import make_private_compatible, validate_private_compatible
     from dpkfc_med.models.finetune import prepare_finetune
     from dpkfc_med.models.pretrained import PretrainedWeightsError, same_data_problems
+    from dpkfc_med.probes.presets import preset_for_modality
     from dpkfc_med.training.config import apply_overrides, config_from_dict
 
     bundle = Path(bundle_dir)
@@ -259,6 +260,11 @@ def prepare_bundle(
                         if has_id(parser, f"optimizer#{k}")}},
         "pretrain": {"steps": 0},
     }  # fmt: skip
+    # the probes' texture from the metadata's declared modality (a public statement), unless
+    # private_training or --set chooses the preset
+    preset = preset_for_modality(fmt.get("modality"))
+    if preset is not None:
+        raw["probes"] = {"preset": preset}
     _merge(raw, _private_training(parser))
     raw["output"] = {"dir": str(out) if out is not None else f"runs/{name}"}
     for key, value in (("target_epsilon", epsilon), ("delta", delta)):
@@ -305,6 +311,8 @@ def prepare_bundle(
         "replaced": replaced,
         "custodian_handlers": logged,
         "unit_source": unit_source(unit_key),
+        "modality": fmt.get("modality"),
+        "probe_preset": cfg.probes.preset,
         "data_dependent_inputs": accepted,
     }
     options = {

@@ -207,6 +207,7 @@ def network_format(parser: Any) -> dict[str, Any]:
             ]
         )
     out["dense"] = pred.get("type", "image") == "image"
+    out["modality"] = image.get("modality")
     channel_def = pred.get("channel_def") or {}
     names = [channel_def.get(str(i), channel_def.get(i)) for i in range(int(out["num_classes"]))]
     out["label_names"] = [str(n) for n in names] if all(names) else None

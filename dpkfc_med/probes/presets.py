@@ -16,7 +16,7 @@ from types import MappingProxyType
 from dpkfc_med.probes.noise import IntensityMode
 from dpkfc_med.utils import check_choice, did_you_mean
 
-__all__ = ["PRESETS", "ModalityPreset", "get_preset"]
+__all__ = ["MODALITY_PRESETS", "PRESETS", "ModalityPreset", "get_preset", "preset_for_modality"]
 
 
 @dataclass(frozen=True)
@@ -235,3 +235,45 @@ def get_preset(name: str | ModalityPreset) -> ModalityPreset:
     else:
         hint = ""
     raise ValueError(f"preset={name!r} is not allowed{hint}; choose one of {sorted(PRESETS)}")
+
+
+MODALITY_PRESETS: MappingProxyType[str, str] = MappingProxyType(
+    {
+        # DICOM modality codes (PS3.3 C.7.3.1.1.1) and the words bundles use
+        "mr": "mri",
+        "mri": "mri",
+        "magneticresonance": "mri",
+        "ct": "ct",
+        "computedtomography": "ct",
+        "cr": "xray",
+        "dx": "xray",
+        "xr": "xray",
+        "xray": "xray",
+        "radiograph": "xray",
+        "us": "ultrasound",
+        "ultrasound": "ultrasound",
+        "mg": "mammography",
+        "mammography": "mammography",
+        "sm": "histopathology",
+        "histopathology": "histopathology",
+        "pathology": "histopathology",
+        "wsi": "histopathology",
+        "op": "fundus",
+        "fundus": "fundus",
+        "opt": "fundus",
+    }  # fmt: skip
+)
+"""A declared modality (a bundle's ``network_data_format`` ``modality``, a DICOM code) ->
+its probe preset; a public statement of the user's, never read from the images."""
+
+
+def preset_for_modality(modality: str | None) -> str | None:
+    """The probe preset of a declared modality (``"MR"`` -> ``"mri"``), or ``None``.
+
+    Examples:
+        >>> preset_for_modality("MR"), preset_for_modality("X-Ray"), preset_for_modality("PT")
+        ('mri', 'xray', None)
+    """
+    if not modality:
+        return None
+    return MODALITY_PRESETS.get(_key(str(modality)))
