@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from collections.abc import Callable, Sequence
@@ -120,12 +121,24 @@ class _UnitItems(Dataset):
         transform: The bundle's ``train#preprocessing``.
         seed: The run seed (``None``: OS entropy); with the unit id and its draw count it keys
             the unit's random transforms.
+        cache: Keep each item after the transform's deterministic part (everything before its
+            first random transform: loading, normalising, padding), as the bundle's
+            ``CacheDataset`` does; only the random part runs on every draw. The samples are
+            the same as without the cache: MONAI's ``Compose`` hands its random transforms
+            their seeds in order, skipping the deterministic ones.
     """
 
-    def __init__(self, units: dict[str, list[Any]], transform: Any, seed: int | None) -> None:
+    def __init__(
+        self, units: dict[str, list[Any]], transform: Any, seed: int | None, cache: bool = False
+    ) -> None:
         self.ids = sorted(units)
         self.units, self.transform, self.seed = units, transform, seed
         self.draws = UnitDraws(seed)
+        self.prefix: Any = None
+        self.random_part: Any = transform
+        if cache:
+            self.prefix, self.random_part = _split_deterministic(transform)
+        self._cache: dict[tuple[str, int], Any] = {}
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -137,12 +150,51 @@ class _UnitItems(Dataset):
 
     def __getitem__(self, index: int) -> list[dict[str, Any]]:
         uid = self.ids[index]
-        self.draws.reseed(self.transform, uid)
+        self.draws.reseed(self.random_part, uid)
         samples: list[dict[str, Any]] = []
-        for item in self.units[uid]:
-            out = self.transform(dict(item)) if self.transform is not None else dict(item)
+        for j, item in enumerate(self.units[uid]):
+            out = self._sample(uid, j, item)
             samples.extend(out if isinstance(out, list) else [out])
         return samples
+
+    def _sample(self, uid: str, j: int, item: dict[str, Any]) -> Any:
+        if self.prefix is None:
+            return self.random_part(dict(item)) if self.random_part is not None else dict(item)
+        if (uid, j) not in self._cache:
+            self._cache[uid, j] = self.prefix(dict(item))
+        data = copy.deepcopy(self._cache[uid, j])  # the random part must not change the cache
+        return self.random_part(data) if self.random_part is not None else data
+
+
+def _split_deterministic(transform: Any) -> tuple[Any, Any]:
+    """``(deterministic prefix, the rest)`` of a MONAI ``Compose``; ``(None, t)`` if none."""
+    from monai.transforms import Compose, Randomizable
+
+    steps = list(getattr(transform, "transforms", None) or [])
+    cut = next((i for i, t in enumerate(steps) if isinstance(t, Randomizable)), len(steps))
+    if not isinstance(transform, Compose) or cut == 0:
+        return None, transform
+    options = {
+        k: getattr(transform, k)
+        for k in ("map_items", "unpack_items", "log_stats", "lazy", "overrides")
+        if hasattr(transform, k)
+    }
+    rest = Compose(steps[cut:], **options) if cut < len(steps) else None
+    return Compose(steps[:cut], **options), rest
+
+
+def _caches(parser: Any) -> bool:
+    """Whether the bundle's training dataset caches its deterministic transforms."""
+    if not has_id(parser, "train#dataset#_target_"):
+        return False
+    name = str(parser["train#dataset#_target_"]).rsplit(".", 1)[-1]
+    if name not in ("CacheDataset", "SmartCacheDataset", "PersistentDataset", "LMDBDataset"):
+        return False
+    rate = config_value(parser, "train#dataset#cache_rate", 1.0)
+    try:
+        return float(rate) > 0
+    except (TypeError, ValueError):
+        return True
 
 
 def _plain(x: Any) -> Tensor:
@@ -404,7 +456,7 @@ def bundle_task(
         num_classes=classes,
         spatial_shape=tuple(patch),
         label_names=fmt.get("label_names"),
-        train_set=_UnitItems(units, transform, seed),
+        train_set=_UnitItems(units, transform, seed, cache=_caches(parser)),
         data_record={
             "path": str(bundle),
             "format": "MONAI bundle (train#dataset data list)",

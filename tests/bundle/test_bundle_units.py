@@ -144,3 +144,23 @@ def test_equal_in_memory_items_are_separate_units_and_files_listed_twice_are_not
     assert set(fewer) < set(units)  # removing one item moves no other unit's id
     with pytest.raises(BundleConfigError, match=r"item 2 \(x\.nii\.gz\) repeats item 0"):
         _units([{"image": "x.nii.gz"}, {"image": "y.nii.gz"}, {"image": "x.nii.gz"}], None)
+
+
+def test_a_caching_bundle_reads_each_item_once_and_draws_the_same_crops(data_dir):
+    """CacheDataset (cache_rate > 0): the deterministic part is kept; the samples do not change."""
+    overrides = [f"dataset_dir={data_dir}", _data(0, 3)]
+
+    def draws(rate: float):
+        b = prepare_bundle(
+            BUNDLE, epsilon=8, overrides=[*overrides, f"train#dataset#cache_rate={rate}"],
+            settings=["training.seed=4"],
+        )  # fmt: skip
+        ds = b.task.train_set
+        sums = [[float(s["image"].sum()) for s in ds[i]] for i in (0, 1, 0, 2, 0)]
+        return ds, sums
+
+    plain, expected = draws(0.0)
+    cached, got = draws(1.0)
+    assert plain.prefix is None and cached.prefix is not None
+    assert len(cached._cache) == 3  # one deterministic result per item, read once
+    assert got == expected
