@@ -25,6 +25,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "two input channels, one file each, against one channel (hippocampus, epsilon 8)",
     ),
     "cost": ("benchmarks.cost", "step time, peak memory and refresh share against Opacus"),
+    "bundle-cost": (
+        "benchmarks.bundle_cost",
+        "a Model Zoo bundle: MONAI alone against the private engine, time per crop",
+    ),
     "engine-overhead": (
         "benchmarks.engine_overhead",
         "a private step through PrivateTrainer against the bare loop",

@@ -474,6 +474,14 @@ def _bundle(args: argparse.Namespace) -> int:
         return 0
     out = export_bundle(args.run_dir, args.out_dir)
     print(f"bundle: {out}")
+    meta = json.loads((out / "configs" / "metadata.json").read_text(encoding="utf-8"))
+    stated = meta.get("network_data_format", {}).get("inputs", {}).get("image", {})
+    print(
+        f"check: the metadata states modality {stated.get('modality')!r} and data source "
+        f"{meta.get('data_source')!r}, copied from the run config (data.modality, data.source), "
+        f"not read from the data; if they do not describe your data, edit "
+        f"{out / 'configs' / 'metadata.json'} or set them in the config and export again"
+    )
     print(
         f"run it: python -m monai.bundle run --config_file {out / 'configs' / 'inference.yaml'} "
         "--dataset_dir DATA --output_dir PRED"

@@ -216,7 +216,12 @@ def test_nonprivate_run_is_exported_loudly_marked(nonprivate_run, tmp_path):
 
 def test_cli_bundle_export(seg_run, copy_run, tmp_path, capsys):
     assert main(["bundle", "export", str(seg_run), str(tmp_path / "b")]) == 0
-    assert "bundle:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bundle:" in out
+    # the shipped config's data statements travel with the export: the user is asked to check
+    meta = json.loads((tmp_path / "b" / "configs" / "metadata.json").read_text())
+    modality = meta["network_data_format"]["inputs"]["image"]["modality"]
+    assert f"check: the metadata states modality {modality!r}" in out
     run = copy_run(seg_run)
     (run / "run.json").write_text(json.dumps({"status": "incomplete"}))
     assert main(["bundle", "export", str(run), str(tmp_path / "c")]) == 2
