@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ class ProgressBarHandler:
         self.run_log, self.enabled = run_log, enabled
         self.bar: Any = None
         self.t0, self.seen = 0.0, 0
+        self._redirect: Any = None
 
     def attach(self, engine: Any) -> None:
         """Attach to a trainer."""
@@ -42,6 +44,13 @@ class ProgressBarHandler:
         from tqdm import tqdm
 
         self.t0, self.seen = time.perf_counter(), 0
+        if self.enabled and self._redirect is None:
+            # console log lines (a bundle's StatsHandler, MONAI's) print above the bar, not
+            # into its line: tqdm's own redirection of every logger that writes to the console
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm(loggers=_console_loggers())
+            self._redirect.__enter__()
         self.bar = tqdm(
             total=engine.state.epoch_length,
             desc=f"epoch {engine.state.epoch}/{engine.state.max_epochs}",
@@ -67,9 +76,26 @@ class ProgressBarHandler:
             return
         self.bar.close()
         self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         log.info(
             "epoch %d done: %d samples, %.1f s",
             engine.state.epoch,
             self.seen,
             time.perf_counter() - self.t0,
         )
+
+
+def _console_loggers() -> list[logging.Logger]:
+    """The root logger and every logger with a handler writing to the console."""
+    found = [logging.getLogger()]
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger) and any(
+            isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (
+                sys.stdout, sys.stderr
+            )
+            for h in logger.handlers
+        ):  # fmt: skip
+            found.append(logger)
+    return found
