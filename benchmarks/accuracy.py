@@ -440,13 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.merge:
-        parts = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
+        parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.merge.split(",")]
         merged = {**parts[0], "runs": [r for part in parts for r in part["runs"]]}
         merged["seeds"] = sorted({s for part in parts for s in part.get("seeds", [])})
         target = args.out or RESULTS / f"accuracy_{args.suite}.json"
         save_results(target, merged)
-        target.with_suffix(".md").write_text(summarize(merged))
-        print(target.with_suffix(".md").read_text())
+        target.with_suffix(".md").write_text(summarize(merged), encoding="utf-8")
+        print(target.with_suffix(".md").read_text(encoding="utf-8"))
         return 0
     torch.set_num_threads(args.threads)
     suffix = "_quick" if args.quick else ""
@@ -480,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
             evals = [_job("eval", method, e, best, s) for s in data["seeds"]]
             for j in pending(evals, data["runs"], _run_key):
                 _execute(j, eps, args, out, data)
-            out.with_suffix(".md").write_text(summarize(data))
-    out.with_suffix(".md").write_text(summarize(data))
-    print(out.with_suffix(".md").read_text())
+            out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
+    out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
+    print(out.with_suffix(".md").read_text(encoding="utf-8"))
     return 0
 
 

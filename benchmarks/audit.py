@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                     if (method, eps, seed, scale, SCORE) in done:
                         continue
                     _one(args, data, method, eps, seed, scale)
-    args.out.with_suffix(".md").write_text(summarize(data))
+    args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
     return 0
 
 
@@ -294,7 +294,7 @@ def _one(
     entry = _audit(method, eps, seed, args.canaries, scale, runs_dir("audit"))
     entry["git_commit"] = data["git_commit"]
     record(args.out, data, entry)
-    args.out.with_suffix(".md").write_text(summarize(data))
+    args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
     print(
         f"{method} eps={eps:g} seed={seed} noise_scale={scale:g}: lower bound "
         f"{entry['epsilon_lower_bound']:.3f} ({entry['correct']}/{entry['guesses']}), accounted "

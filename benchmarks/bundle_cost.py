@@ -2,9 +2,11 @@
 
     python -m benchmarks bundle-cost [--train 16] [--epochs 2] [--repeats 2] [--threads 2]
 
-The bundle is ``tests/bundle/zoo_bundle`` (3D UNet with BatchNorm, DiceCE, Adam,
-``RandCropByPosNegLabeld(num_samples=2)``, ``CacheDataset`` with ``cache_rate`` 1) on the
-first ``--train`` bundled hippocampus cases. Arms, each timed per iteration inside the
+The bundle is ``tests/bundle/zoo_bundle`` made Model Zoo-sized: a 3D UNet of widths
+``--channels`` with residual units and BatchNorm, DiceCE, Adam, ``RandCropByPosNegLabeld`` of
+``--crops`` patches of ``--patch``^3 per item, ``--batch`` items per batch (16 crops of 32^3
+per step by default), ``CacheDataset`` with ``cache_rate`` 1, on the first ``--train`` bundled
+hippocampus cases. Arms, each timed per iteration inside the
 trainer's own ``run()`` (Ignite events), the first iteration of each run left out as warm-up:
 
 - ``monai``: the bundle's own ``train#trainer`` (``SupervisedTrainer``), non-private, its
@@ -13,8 +15,8 @@ trainer's own ``run()`` (Ignite events), the first iteration of each run left ou
   (``PrivateTrainer``, Poisson sampling of items at the bundle's batch size, the model fixer's
   GroupNorm; DP-KFC's preconditioner refreshes included).
 
-Batches differ (MONAI: fixed batches of 2 items; the engine: Poisson batches of expected size
-2), so the figure compared is the time per crop (sample the network sees): the median over
+Batches differ (MONAI: fixed batches of ``--batch`` items; the engine: Poisson batches of that
+expected size), so the figure compared is the time per crop (sample the network sees): the median over
 iterations of iteration time / crops in it, and the whole run's time / crops. Results:
 ``benchmarks/results/cost_cpu_bundle.{json,md}``.
 """
@@ -55,6 +57,27 @@ class _Timer:
         self.rows.append((time.perf_counter() - self._t0, int(self.crops(engine))))
 
 
+SIZE: list[str] = []
+"""Overrides that make the test bundle Model Zoo-sized (set from the command line)."""
+
+
+def _sized(patch: int, crops: int, batch: int, channels: str) -> list[str]:
+    """A Model Zoo-sized UNet (residual units, BatchNorm) on ``crops`` patches per item."""
+    shape = f"[{patch},{patch},{patch}]"
+    widths = [int(c) for c in channels.split(",")]
+    return [
+        f"network_def#channels={widths}",
+        f"network_def#strides={[2] * (len(widths) - 1)}",
+        "network_def#num_res_units=2",
+        f"train#preprocessing#transforms#2#spatial_size={shape}",
+        f"train#preprocessing#transforms#3#spatial_size={shape}",
+        f"train#preprocessing#transforms#3#num_samples={crops}",
+        f"train#dataloader#batch_size={batch}",
+        f"_meta_#network_data_format#inputs#image#spatial_shape={shape}",
+        f"_meta_#network_data_format#outputs#pred#spatial_shape={shape}",
+    ]
+
+
 def _overrides(data: str, train: int, epochs: int) -> list[str]:
     return [
         f"dataset_dir={data}",
@@ -62,6 +85,7 @@ def _overrides(data: str, train: int, epochs: int) -> list[str]:
         f"train#trainer#max_epochs={epochs}",
         "train#dataset#cache_rate=1.0",
         "validate#dataset#data=$[]",
+        *SIZE,
     ]
 
 
@@ -116,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dpkfc_med.data import resolve_data_path
 
     torch.set_num_threads(args.threads)
+    SIZE[:] = _sized(args.patch, args.crops, args.batch, args.channels)
     data = str(resolve_data_path("msd_hippocampus", kind="dir"))
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     for r in range(args.repeats):
@@ -155,7 +180,9 @@ def markdown(result: dict[str, Any]) -> str:
         "# A Model Zoo bundle: MONAI alone against the private engine (CPU)",
         "",
         f"`python -m benchmarks bundle-cost --train {s['train']} --epochs {s['epochs']} "
-        f"--repeats {s['repeats']} --threads {s['threads']}`; torch {result['torch']}. Time per "
+        f"--repeats {s['repeats']} --threads {s['threads']} --patch {s['patch']} --crops "
+        f"{s['crops']} --batch {s['batch']} --channels {s['channels']}`; torch "
+        f"{result['torch']}, 2 CPU cores. Time per "
         "crop (the samples the network sees), median over iterations (first one left out), "
         "median over repeats; the ratio is to MONAI alone.",
         "",
@@ -183,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--patch", type=int, default=32, help="crop edge (voxels)")
+    p.add_argument("--crops", type=int, default=4, help="crops per item (num_samples)")
+    p.add_argument("--batch", type=int, default=4, help="items per batch (expected, private)")
+    p.add_argument("--channels", default="16,32,64,128", help="UNet widths")
     p.add_argument("--out", default=str(OUT), help="results path without suffix")
     p.add_argument("--reading", default=None, help="the Reading paragraph (Markdown only)")
     args = p.parse_args(argv)

@@ -498,12 +498,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.render is not None:
         src = Path(args.render)
-        result = json.loads(src.read_text())
+        result = json.loads(src.read_text(encoding="utf-8"))
         for mr in result["models"]:
             mr["analysis"] = analyse(mr, result["refresh_every_default"])
         harness.save_results(src, result)
         target = Path(args.md) if args.md else src.with_suffix(".md")
-        target.write_text(render_markdown(result))
+        target.write_text(render_markdown(result), encoding="utf-8")
         print(f"rewrote {src} analysis and {target}")
         return
     out = Path(args.out) if args.out else _default_out(args.device, args.quick)
@@ -515,16 +515,21 @@ def main(argv: list[str] | None = None) -> None:
     def save(result: dict[str, Any]) -> None:
         profiles = {mr["model"]: mr.pop("profile") for mr in result["models"] if "profile" in mr}
         if profiles:
-            old = prof_path.read_text() if prof_path.exists() and result["models"][:-1] else ""
+            old = (
+                prof_path.read_text(encoding="utf-8")
+                if prof_path.exists() and result["models"][:-1]
+                else ""
+            )
             prof_path.write_text(
                 old
                 + "".join(
                     f"=== {k} ===\n" + "\n\n".join(v.values()) + "\n\n" for k, v in profiles.items()
-                )
+                ),
+                encoding="utf-8",
             )
             result["profile_file"] = os.path.relpath(prof_path, harness.ROOT)
         harness.save_results(out, result)
-        md.write_text(render_markdown(result))
+        md.write_text(render_markdown(result), encoding="utf-8")
 
     result = run(args, save)
     save(result)

@@ -518,7 +518,7 @@ def render(result: dict[str, Any], out: Path) -> None:
         + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
         + f"; git commit {str(result['git_commit'])[:12]}; {result['minutes']:.1f} min in all.",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true", help="only rewrite the Markdown of --out")
     args = p.parse_args(argv)
     if args.render:
-        render(json.loads(args.out.read_text()), args.out)
+        render(json.loads(args.out.read_text(encoding="utf-8")), args.out)
         return 0
     import torch
 

@@ -33,12 +33,12 @@ from benchmarks.harness import RESULTS, ROOT, display_path, runs_dir, save_resul
 def render(result: dict, out: Path) -> None:
     """Write ``out`` (JSON) and its Markdown, with the pooled shipped run looked up again."""
     seg = RESULTS / "segmentation_hippocampus.json"
-    shipped = json.loads(seg.read_text()).get("shipped", {}) if seg.exists() else {}
+    shipped = json.loads(seg.read_text(encoding="utf-8")).get("shipped", {}) if seg.exists() else {}
     pooled = shipped.get(result["config"])  # the shipped config trained as shipped
     result["pooled_private_test_dice"] = None if pooled is None else pooled["test"]["mean_dice"]
     save_results(out, result)
     if "target_epsilon_per_site" not in result:  # written before the field existed
-        cfg = yaml.safe_load((ROOT / result["config"]).read_text())
+        cfg = yaml.safe_load((ROOT / result["config"]).read_text(encoding="utf-8"))
         result["target_epsilon_per_site"] = cfg["privacy"]["target_epsilon"]
     eps = result["target_epsilon_per_site"]
     lines = [
@@ -62,7 +62,7 @@ def render(result: dict, out: Path) -> None:
             "Pooled private model (the same config trained as shipped on all of seed 0's "
             f"training cases in one run, the same test cases): {pooled['test']['mean_dice']:.3f}."
         )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true", help="only rewrite the Markdown of --out")
     args = p.parse_args(argv)
     if args.render:
-        render(json.loads(args.out.read_text()), args.out)
+        render(json.loads(args.out.read_text(encoding="utf-8")), args.out)
         return 0
     run = args.runs_dir / args.config.stem
     shutil.rmtree(run, ignore_errors=True)
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         "minutes": minutes,
         "per_site": rec["history"][-1]["sites"],
         # custodian-only at site 0 (the same test cases as every site's): read as its custodian
-        "federated_test": json.loads((cfg.run_dir() / rec["site_evaluations"][0]).read_text())[
-            "metrics"
-        ],
+        "federated_test": json.loads(
+            (cfg.run_dir() / rec["site_evaluations"][0]).read_text(encoding="utf-8")
+        )["metrics"],
     }
     render(result, args.out)
     return 0

@@ -156,7 +156,7 @@ def runs_dir(study: str) -> Path:
 def load_results(path: Path) -> dict[str, Any]:
     """A study's result JSON, or an empty one (``{"runs": []}``) when it does not exist yet."""
     if path.is_file():
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     return {"runs": []}
 
 

@@ -90,7 +90,9 @@ def prepare(root: Path = FOLDER) -> Path:
         "labels": {"0": "background", "1": "Anterior", "2": "Posterior"},
         "training": training,
     }
-    (root / "dataset.json").write_text(json.dumps(index, indent=1))  # written last: done
+    (root / "dataset.json").write_text(
+        json.dumps(index, indent=1), encoding="utf-8"
+    )  # written last: done
     return root
 
 
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = load_results(args.out)
     if args.summarize:
-        args.out.with_suffix(".md").write_text(summarize(data))
+        args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
         return 0
     data.setdefault("environment", environment())
     data["git_commit"] = git_commit()
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row = run_job(channels, seed, runs_dir("multichannel"), args.threads)
             record(args.out, data, row)
-            args.out.with_suffix(".md").write_text(summarize(data))
+            args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
             print(f"{channels} channel(s), seed {seed}: test Dice {row['test_mean_dice']:.3f}")
     return 0
 

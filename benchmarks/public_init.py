@@ -117,7 +117,7 @@ def prepare(root: Path) -> dict[str, Path]:
                 _write_like(image, out / "imagesTr" / image.name, np.where(inside, hi + lo - x, 0))
             else:
                 _link(image, out / "imagesTr" / image.name)
-    done.write_text("ok\n")
+    done.write_text("ok\n", encoding="utf-8")
     return folders
 
 
@@ -149,7 +149,7 @@ def _test_dice(private_cfg: Any, run_dir: Path) -> dict[str, float]:
     from dpkfc_med.training.setup import build_run_model
     from dpkfc_med.training.task_build import build_task
 
-    own = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    own = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")))
     model, _ = build_run_model(own, build_task(own, public_probes=False), finetune=False)
     saved = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=False)
     model.load_state_dict(saved["model"])
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = load_results(args.out)
     if args.summarize:
-        args.out.with_suffix(".md").write_text(summarize(data))
+        args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
         plot(data, args.out.with_suffix(".png"))
         return 0
     torch.set_num_threads(args.threads)
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {**job, **run_job(job, folders, work, args.threads, args.epochs)}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         record(args.out, data, row)
-        args.out.with_suffix(".md").write_text(summarize(data))
+        args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
         plot(data, args.out.with_suffix(".png"))
         print(f"{_key(job)}: test Dice {row['test_mean_dice']:.3f} ({row['seconds']:.0f} s)")
     return 0

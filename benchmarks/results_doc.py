@@ -176,7 +176,7 @@ def render(results: Path = RESULTS) -> str:
         out.append(f"\n## {title}\n")
         for f in sorted(members, key=lambda p: _order(p.stem)):
             placed.add(f)
-            text = f.read_text()
+            text = f.read_text(encoding="utf-8")
             links = [f"[{f.name}]({LINK_PREFIX}{f.name})"]
             for ext in (".json", ".png"):
                 other = f.with_suffix(ext)
@@ -197,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     page = render()
     if args.check:
-        current = args.out.read_text() if args.out.exists() else ""
+        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
         if current != page:
             print(f"{args.out} is stale: run python -m benchmarks results-doc", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(page)
+    args.out.write_text(page, encoding="utf-8")
     return 0
 
 

@@ -162,7 +162,9 @@ def _shipped_job(config: Path, work: Path, threads: int = 2) -> dict[str, Any]:
     t0 = time.time()
     res = train(cfg)
     minutes = (time.time() - t0) / 60
-    split = json.loads((run_dir / "private_not_for_release" / "split.json").read_text())
+    split = json.loads(
+        (run_dir / "private_not_for_release" / "split.json").read_text(encoding="utf-8")
+    )
     source = Path(res.report["data"]["path"]) if "path" in res.report["data"] else None
     source = source or Path(res.custodian["data"]["path"])
     folder = work / f"unseen_cases_{config.stem}"
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = _parser()
     args = p.parse_args(argv)
-    base = yaml.safe_load(args.config.read_text())
+    base = yaml.safe_load(args.config.read_text(encoding="utf-8"))
     if args.device:
         base.setdefault("training", {})["device"] = args.device
     methods = args.methods.split(",")
@@ -342,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         _study_shipped(args, data)
     else:
         _study_levers(args, base, data, methods, p.error)
-    out.with_suffix(".md").write_text(summarize(data))
+    out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
     plot(data, out.with_suffix(".png"))
-    print(out.with_suffix(".md").read_text())
+    print(out.with_suffix(".md").read_text(encoding="utf-8"))
     return 0
 
 
@@ -416,7 +418,7 @@ def _study_main(
             for s in data["seeds"]
         ]
         run(evals)
-        args.out.with_suffix(".md").write_text(summarize(data))
+        args.out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
 
 
 def _study_best(

@@ -261,9 +261,9 @@ def run(protocol: dict[str, Any], out: Path, threads: int = 1) -> dict[str, Any]
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(row, flush=True)
         record(out, data, row)
-        out.with_suffix(".md").write_text(summarize(data))
+        out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
     save_results(out, data)
-    out.with_suffix(".md").write_text(summarize(data))
+    out.with_suffix(".md").write_text(summarize(data), encoding="utf-8")
     return data
 
 
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = args.out or RESULTS / f"tuning_{args.task}.json"
     if args.summarize:
-        out.with_suffix(".md").write_text(summarize(load_results(out)))
+        out.with_suffix(".md").write_text(summarize(load_results(out)), encoding="utf-8")
         return 0
     torch.set_num_threads(args.threads)
     grid: dict[str, list[str]] = {}

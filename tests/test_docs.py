@@ -41,7 +41,7 @@ def _load_results_doc():
 def test_readme_python_blocks_run_as_written(tmp_path):
     from dpkfc_med.data import DataNotFoundError, resolve_data_path
 
-    blocks = _python_blocks(README.read_text())
+    blocks = _python_blocks(README.read_text(encoding="utf-8"))
     assert blocks, "README.md has no ```python block"
     try:
         resolve_data_path("pneumoniamnist")
@@ -50,7 +50,7 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for i, code in enumerate(blocks):
         script = tmp_path / f"readme_block_{i}.py"
-        script.write_text(code)
+        script.write_text(code, encoding="utf-8")
         proc = subprocess.run(
             [sys.executable, str(script)],
             cwd=ROOT,
@@ -71,7 +71,7 @@ def test_configuration_reference_is_fresh():
     from dpkfc_med.training.config_reference import render
 
     page = DOCS / "configuration.md"
-    assert page.read_text() == render(), (
+    assert page.read_text(encoding="utf-8") == render(), (
         "docs/configuration.md is stale: run "
         "python -m dpkfc_med.training.config_reference > docs/configuration.md"
     )
@@ -82,7 +82,7 @@ def test_configuration_reference_lists_every_field():
 
     from dpkfc_med.training.config_reference import SECTIONS, field_rows
 
-    text = (DOCS / "configuration.md").read_text()
+    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
     for section, cls in SECTIONS:
         documented = {r["field"] for r in field_rows(section, cls)}
         nested = {
@@ -100,16 +100,18 @@ def test_configuration_reference_lists_every_field():
 
 def test_results_page_is_fresh():
     module = _load_results_doc()
-    assert (DOCS / "results.md").read_text() == module.render(), (
+    assert (DOCS / "results.md").read_text(encoding="utf-8") == module.render(), (
         "docs/results.md is stale: run python -m benchmarks results-doc"
     )
 
 
 def test_results_page_holds_every_results_file(tmp_path):
     module = _load_results_doc()
-    (tmp_path / "accuracy_new_suite.md").write_text("## new_suite (test split)\n\n| a |\n|---|\n")
+    (tmp_path / "accuracy_new_suite.md").write_text(
+        "## new_suite (test split)\n\n| a |\n|---|\n", encoding="utf-8"
+    )
     (tmp_path / "accuracy_new_suite.png").write_bytes(b"")
-    (tmp_path / "zzz_other.md").write_text("# Something else\n\ntext\n")
+    (tmp_path / "zzz_other.md").write_text("# Something else\n\ntext\n", encoding="utf-8")
     page = module.render(tmp_path)
     assert "### accuracy_new_suite\n\nnew_suite (test split)." in page
     assert "#### new_suite (test split)" in page  # headings demoted below the file's heading
@@ -118,7 +120,7 @@ def test_results_page_holds_every_results_file(tmp_path):
     for results_md in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
         if results_md.name == "README.md":  # the index of the results folder
             continue
-        assert f"### {results_md.stem}\n" in (DOCS / "results.md").read_text()
+        assert f"### {results_md.stem}\n" in (DOCS / "results.md").read_text(encoding="utf-8")
 
 
 BENCHMARK_READMES = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks/results/README.md"]
@@ -130,7 +132,7 @@ BENCHMARK_READMES = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks/resul
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_relative_links_point_at_existing_files(doc):
-    links = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", _without_code(doc.read_text()))
+    links = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", _without_code(doc.read_text(encoding="utf-8")))
     broken = []
     for target in links:
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
@@ -142,24 +144,24 @@ def test_relative_links_point_at_existing_files(doc):
 
 
 def test_readme_is_short():
-    lines = README.read_text().count("\n")
+    lines = README.read_text(encoding="utf-8").count("\n")
     assert lines <= MAX_README_LINES, (
         f"README.md has {lines} lines (at most {MAX_README_LINES}); move detail to docs/"
     )
 
 
 def test_readme_keeps_the_two_commands():
-    text = README.read_text()
+    text = README.read_text(encoding="utf-8")
     setup = 'python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]" && '
     assert f"{setup}.venv/bin/dpkfc-med train configs/pneumoniamnist_cnn_2d_eps1.yaml\n" in text
     assert f"{setup}.venv/bin/python -m pytest\n" in text
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert f"{setup}.venv/bin/python -m pytest" in ci
 
 
 @pytest.mark.parametrize("doc", _user_docs(), ids=lambda p: p.name)
 def test_no_development_notes_in_user_docs(doc):
-    text = doc.read_text()
+    text = doc.read_text(encoding="utf-8")
     assert "DESIGN.md" not in text, f"{doc.name} points at DESIGN.md, which users do not have"
     found = re.findall(r"\bsessions?\b", text, flags=re.IGNORECASE)
     assert not found, f"{doc.name} reads like a development diary ({found})"
@@ -168,7 +170,7 @@ def test_no_development_notes_in_user_docs(doc):
 def test_readme_names_every_model_and_config():
     from dpkfc_med.models import list_models
 
-    text = README.read_text()
+    text = README.read_text(encoding="utf-8")
     missing = [name for name in list_models() if f"`{name}`" not in text]
     assert not missing, f"README.md does not list the registered networks {missing}"
     for config in sorted((ROOT / "configs").glob("*.yaml")):
@@ -177,7 +179,7 @@ def test_readme_names_every_model_and_config():
 
 
 def test_package_readme_lists_every_subpackage():
-    text = PACKAGE_README.read_text()
+    text = PACKAGE_README.read_text(encoding="utf-8")
     listed = set(re.findall(r"^\| `(\w+)/` \|", text, flags=re.MULTILINE))
     packages = {p.parent.name for p in (ROOT / "dpkfc_med").glob("*/__init__.py")}
     assert listed == packages, f"dpkfc_med/README.md lists {sorted(listed)}, not {sorted(packages)}"

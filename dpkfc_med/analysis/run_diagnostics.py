@@ -108,7 +108,7 @@ def read_run_diagnostics(run_dir: str | Path) -> RunDiagnostics:
             f"{path} not found: pass the directory of a finished run (its output.dir); a "
             f"shareable copy without {PRIVATE_DIR}/ holds no clipping diagnostics"
         )
-    report = json.loads(path.read_text())
+    report = json.loads(path.read_text(encoding="utf-8"))
     diag = report.get("diagnostics")
     if not diag:
         raise ValueError(

@@ -45,7 +45,9 @@ def released_model(run_dir: str | Path) -> nn.Module:
             f"released_model: {run} lacks {', '.join(missing)}; pass a finished run directory "
             "(dpkfc-med train CONFIG writes it)"
         )
-    cfg = config_from_dict(yaml.safe_load((run / "config.yaml").read_text()), str(run))
+    cfg = config_from_dict(
+        yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")), str(run)
+    )
     saved = torch.load(run / "model.pt", map_location="cpu", weights_only=False)
     model, _ = build_run_model(cfg, build_task(cfg, public_probes=False))
     model.load_state_dict(saved["model"])
@@ -112,7 +114,7 @@ def benchmark_accuracy(
         Rows ``{method, epsilon, lr, mean, std, seeds}``, in the order of ``methods``; a
         method without evaluation runs is left out.
     """
-    runs = json.loads(Path(path).read_text())["runs"]
+    runs = json.loads(Path(path).read_text(encoding="utf-8"))["runs"]
     rows = []
     for method in methods:
         mine = [r for r in runs if r["method"] == method]

@@ -58,7 +58,7 @@ EPS_SLACK = 1e-9  # float noise of recomputing the ledger's epsilon
 
 
 def _json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _check_run(run: Path) -> tuple[dict[str, Any], dict[str, float] | None]:
@@ -150,7 +150,7 @@ def export_bundle(run_dir: str | Path, out_dir: str | Path) -> Path:
     tuned = check_tuning(run) if is_tuning(run) else None
     if tuned is None:
         report, epsilons = _check_run(run)
-        raw = yaml.safe_load((run / CONFIG).read_text())
+        raw = yaml.safe_load((run / CONFIG).read_text(encoding="utf-8"))
         shipped = list(REPORT_FILES.values())
     else:
         report, epsilons, raw = tuned.report, None, tuned.config

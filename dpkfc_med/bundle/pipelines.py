@@ -86,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     ):
         for rel, text in pipeline_files(bundle).items():
             path = bundle / rel
-            if path.is_file() and path.read_text() == text:
+            if path.is_file() and path.read_text(encoding="utf-8") == text:
                 continue
             stale.append(path)
             if not args.check:
-                path.write_text(text)
+                path.write_text(text, encoding="utf-8")
     for path in stale:
         print(f"{'stale' if args.check else 'wrote'}: {path}")
     return 1 if (stale and args.check) else 0

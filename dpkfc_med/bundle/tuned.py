@@ -94,7 +94,7 @@ def _trial_problems(record: Mapping[str, Any], folder: Path) -> list[str]:
                 "(restore it from the backup of the tuning folder)"
             )
             continue
-        ledger = PrivacyLedger.from_dict(json.loads(path.read_text()))
+        ledger = PrivacyLedger.from_dict(json.loads(path.read_text(encoding="utf-8")))
         off = [
             e
             for e in ledger.events
@@ -123,7 +123,7 @@ def check_tuning(folder: str | Path) -> TunedRelease:
     from dpkfc_med.training.tune import TRIALS_DIR, TUNING_LEDGER
 
     folder = Path(folder)
-    record = json.loads((folder / TUNING_LEDGER).read_text())
+    record = json.loads((folder / TUNING_LEDGER).read_text(encoding="utf-8"))
     resume = (
         f"finish it with `dpkfc-med tune CONFIG --epsilon {record['plan']['target_epsilon']:g} "
         f"... --resume --out {folder}` (the same grid and trials), then export"
@@ -169,15 +169,15 @@ def check_tuning(folder: str | Path) -> TunedRelease:
         )
     if problems:
         raise BundleExportError(problems, folder)
-    config = yaml.safe_load((trial_dir / "config.yaml").read_text())
+    config = yaml.safe_load((trial_dir / "config.yaml").read_text(encoding="utf-8"))
     # the tuning's name, never a trial's: a name like "<name>_trial_5" would show K >= 6
     config["name"] = record["config"].get("name", "run")
     return TunedRelease(
         record=record,
-        report=json.loads((folder / TUNING_REPORT_FILES[0]).read_text()),
+        report=json.loads((folder / TUNING_REPORT_FILES[0]).read_text(encoding="utf-8")),
         trial_dir=trial_dir,
         config=config,
-        trial_report=json.loads((trial_dir / "privacy_report.json").read_text()),
+        trial_report=json.loads((trial_dir / "privacy_report.json").read_text(encoding="utf-8")),
         epsilon=eps,
     )
 

@@ -105,7 +105,7 @@ def load_bundle(bundle_dir: str | Path, overrides: Sequence[str] = ()) -> Any:
         import json
 
         try:
-            content = json.loads(meta.read_text())
+            content = json.loads(meta.read_text(encoding="utf-8"))
         except ValueError as err:
             raise BundleConfigError(
                 [f"{meta}: not valid JSON ({err}); fix the file (MONAI's metadata.json)"]
@@ -457,7 +457,7 @@ def evaluate_bundle_run(
             [f"{p}: missing; a `dpkfc-med bundle train` run writes it when it finishes "
              "(resume an unfinished run with --resume)" for p in missing]
         )  # fmt: skip
-    options = json.loads(stored.read_text())
+    options = json.loads(stored.read_text(encoding="utf-8"))
     b = prepare_bundle(options.pop("bundle_dir"), **{**options, "out": run})
     cases = None
     if data is not None:

@@ -277,7 +277,7 @@ def load_segmentation_folder(
     index = root / "dataset.json"
     if index.is_file():
         try:
-            meta = json.loads(index.read_text())
+            meta = json.loads(index.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise DataValidationError(
                 index, [f"not valid JSON ({err}); fix or remove dataset.json"]

@@ -207,13 +207,15 @@ def save_split(split: Mapping[str, Sequence[str]], path: str | Path) -> Path:
     """Write a split as JSON (``{name: [case IDs]}``) so a run records which cases it used."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({k: list(v) for k, v in split.items()}, indent=1) + "\n")
+    path.write_text(
+        json.dumps({k: list(v) for k, v in split.items()}, indent=1) + "\n", encoding="utf-8"
+    )
     return path
 
 
 def load_split(path: str | Path) -> dict[str, list[str]]:
     """Read a split written by :func:`save_split`."""
-    data = json.loads(Path(path).read_text())
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
         raise DataValidationError(path, ["expected a JSON object {split: [case IDs]}"])
     return {str(k): [str(c) for c in v] for k, v in data.items()}

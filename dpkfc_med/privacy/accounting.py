@@ -348,7 +348,7 @@ class PrivacyLedger:
     @classmethod
     def load(cls, path: str | Path) -> PrivacyLedger:
         """Read a ledger file and keep writing to it."""
-        return cls.from_dict(json.loads(Path(path).read_text()), path)
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")), path)
 
     def save(self) -> None:
         """Atomically rewrite the ledger file (no-op without a path)."""

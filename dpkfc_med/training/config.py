@@ -569,7 +569,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
             [f"{p}: no such file; pass the path of a YAML config (see configs/)"], str(p)
         )
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError([f"not valid YAML: {err}"], str(p)) from None
     if not isinstance(data, dict):

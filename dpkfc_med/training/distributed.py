@@ -134,7 +134,7 @@ def _rank_main(rank: int, nproc: int, port: int, cfg: RunConfig, resume: bool, o
             Path(out).write_bytes(pickle.dumps(result))
     except (ValueError, FileNotFoundError, KeyError) as err:
         # a user error (config, data, plan): every rank meets it; the parent reports rank 0's
-        Path(out).with_name(f"error_rank{rank}.txt").write_text(str(err))
+        Path(out).with_name(f"error_rank{rank}.txt").write_text(str(err), encoding="utf-8")
     finally:
         dist.destroy_process_group()
 
@@ -171,5 +171,5 @@ def train_distributed(cfg: RunConfig, nproc: int, *, resume: bool = False) -> An
             raise RuntimeError(f"a training process died: {err}") from None
         error = out.with_name("error_rank0.txt")
         if error.exists():
-            raise ValueError(error.read_text())
+            raise ValueError(error.read_text(encoding="utf-8"))
         return pickle.loads(out.read_bytes())

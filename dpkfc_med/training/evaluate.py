@@ -104,7 +104,7 @@ def evaluate_run(
         raise ConfigError(
             problems + ["evaluate needs a finished run directory (dpkfc-med train ...)"], str(run)
         )
-    raw = yaml.safe_load((run / "config.yaml").read_text())
+    raw = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
     if str((raw.get("model") or {}).get("name", "")).startswith("bundle:"):
         from dpkfc_med.bundle.zoo import evaluate_bundle_run
 
@@ -403,7 +403,7 @@ def _selected_epoch(run: Path) -> int | None:
     """The epoch the run kept, from its custodian-only metrics (not stored in the model)."""
     path = run / PRIVATE_DIR / "metrics.json"
     try:
-        return json.loads(path.read_text()).get("selected_epoch")
+        return json.loads(path.read_text(encoding="utf-8")).get("selected_epoch")
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -274,7 +274,7 @@ def _server_main(port: int, sites: int, rounds: int, server_dir: str, base: dict
         f"custodian-only (site_k/{SITE_EVALUATION}) and never reach the server",
     }
     write_json(folder / "federated.json", record)
-    (folder / "federated.md").write_text(_markdown(record))
+    (folder / "federated.md").write_text(_markdown(record), encoding="utf-8")
 
 
 def _watch(procs: list[Any], poll_s: float = 1.0) -> None:
@@ -378,7 +378,7 @@ def run_federated(
     for proc in procs:
         proc.start()
     _watch(procs)
-    record: dict[str, Any] = json.loads((server_dir / "federated.json").read_text())
+    record: dict[str, Any] = json.loads((server_dir / "federated.json").read_text(encoding="utf-8"))
     return record
 
 

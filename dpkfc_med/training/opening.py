@@ -104,7 +104,11 @@ def open_run(
     exists = run_json.is_file() or ledger_path.is_file()
     if not resume:
         if exists:
-            status = json.loads(run_json.read_text()).get("status") if run_json.is_file() else None
+            status = (
+                json.loads(run_json.read_text(encoding="utf-8")).get("status")
+                if run_json.is_file()
+                else None
+            )
             raise ConfigError(
                 [
                     f"output.dir: {run_dir} already holds a run (status {status!r}; "
@@ -122,7 +126,10 @@ def open_run(
                 "the run without --resume"
             ]
         )
-    if run_json.is_file() and json.loads(run_json.read_text()).get("status") == "complete":
+    if (
+        run_json.is_file()
+        and json.loads(run_json.read_text(encoding="utf-8")).get("status") == "complete"
+    ):
         raise ConfigError(
             [
                 f"--resume: the run in {run_dir} is already complete ({spent_text(run_dir)}); "
@@ -133,7 +140,9 @@ def open_run(
     changes: list[tuple[str, Any, Any]] = []
     original_path = run_dir / "config.yaml"
     if original_path.is_file():
-        original = config_from_dict(yaml.safe_load(original_path.read_text()), str(original_path))
+        original = config_from_dict(
+            yaml.safe_load(original_path.read_text(encoding="utf-8")), str(original_path)
+        )
         changes = config_changes(original, cfg)
         _check_same_data(changes, task, run_dir)
     replan = resume_replans(changes, str(run_dir))
@@ -215,7 +224,7 @@ def stored_plans(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / PLAN_JSON
     if not path.is_file():
         return []
-    return list(json.loads(path.read_text()).get("plans", []))
+    return list(json.loads(path.read_text(encoding="utf-8")).get("plans", []))
 
 
 def check_output_dir(run_dir: Path) -> None:
@@ -285,7 +294,9 @@ def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_json = run_dir / RUN_JSON
     started = (
-        json.loads(run_json.read_text()).get("started") if run_json.is_file() else None
+        json.loads(run_json.read_text(encoding="utf-8")).get("started")
+        if run_json.is_file()
+        else None
     ) or now()
     write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)

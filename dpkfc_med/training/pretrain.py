@@ -183,7 +183,7 @@ def _locked(path: Path) -> Iterator[None]:
     except ImportError:  # no advisory locks: parallel runs may both pretrain (still correct)
         yield
         return
-    with open(path, "a") as fh:
+    with open(path, "a", encoding="utf-8") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

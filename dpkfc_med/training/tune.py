@@ -263,7 +263,7 @@ def run_tuning(
         raise ConfigError(problems, "the --grid values (nothing drawn, nothing spent)")
     task = None  # the data of every trial (the grid never changes it), loaded once
     if resume:
-        record = json.loads(ledger_path.read_text())
+        record = json.loads(ledger_path.read_text(encoding="utf-8"))
     else:
         plan, n_val, task = _plan(cfg, target_epsilon, trials)
         draw = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
@@ -304,7 +304,7 @@ def run_tuning(
         write_json(ledger_path, record)
         status = None
         if (run_dir / "run.json").is_file():
-            status = json.loads((run_dir / "run.json").read_text()).get("status")
+            status = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("status")
         if status != "complete":  # a stopped trial continues within its own plan
             again = status is not None or (run_dir / "ledger.json").is_file()
             train(tcfg, resume=again)

@@ -71,7 +71,9 @@ def test_missing_report_names_the_fix(tmp_path):
 def test_run_without_diagnostics_is_refused(tmp_path):
     private = tmp_path / "private_not_for_release"
     private.mkdir()
-    (private / "custodian_report.json").write_text(json.dumps({"diagnostics": None}))
+    (private / "custodian_report.json").write_text(
+        json.dumps({"diagnostics": None}), encoding="utf-8"
+    )
     with pytest.raises(ValueError, match="'diagnostics' is empty.*dp-sgd or dp-kfc"):
         read_run_diagnostics(tmp_path)
     assert snr_rows([]) == []

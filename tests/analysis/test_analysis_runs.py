@@ -57,7 +57,7 @@ def test_benchmark_accuracy_uses_the_validation_choice(tmp_path):
         run("eval", "b", None, 0.1, 1, 0.0, 0.6),
     ]
     path = tmp_path / "acc.json"
-    path.write_text(json.dumps({"runs": runs}))
+    path.write_text(json.dumps({"runs": runs}), encoding="utf-8")
     rows = benchmark_accuracy(path, ["b", "a", "missing"])
     assert [(r["method"], r["epsilon"], r["lr"], r["seeds"]) for r in rows] == [
         ("b", None, 0.1, 1),

@@ -133,7 +133,7 @@ def test_bf16_step_runs_for_every_method(fast_build):
 
 def test_gpu_check_script_names_files_that_exist():
     root = ROOT
-    script = (root / "benchmarks" / "gpu_check.sh").read_text()
+    script = (root / "benchmarks" / "gpu_check.sh").read_text(encoding="utf-8")
     subprocess.run(["bash", "-n", str(root / "benchmarks" / "gpu_check.sh")], check=True)
     named = re.findall(r"(tests/\S+\.py|benchmarks/\S+\.sh)", script)
     assert "tests/privacy/test_precision.py" in named and "benchmarks/gpu_cost.sh" in named

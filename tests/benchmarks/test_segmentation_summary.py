@@ -143,7 +143,7 @@ def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(tmp_path):
     import yaml
 
     config = ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml"
-    tiny = yaml.safe_load(config.read_text())
+    tiny = yaml.safe_load(config.read_text(encoding="utf-8"))
     tiny["data"].update(max_train=5, max_eval=2, patch_size=[16, 16, 16])
     tiny["training"].update(epochs=1, batch_size=3)
     tiny["model"]["kwargs"].update(channels=[4, 8], strides=[2])
@@ -151,7 +151,7 @@ def test_shipped_study_evaluates_on_a_folder_of_unseen_cases(tmp_path):
     tiny["probes"]["num_probes"] = 4
     tiny["preconditioner"].update(chunk_size=4, calibration_samples=2)
     path = tmp_path / "hippocampus_unet_3d_eps8.yaml"
-    path.write_text(yaml.safe_dump(tiny))
+    path.write_text(yaml.safe_dump(tiny), encoding="utf-8")
     threads = torch.get_num_threads()
     try:
         rec = seg._shipped_job(path, tmp_path / "runs", threads=1)
@@ -295,12 +295,12 @@ def test_shipped_study_reruns_a_config_that_changed_and_keeps_the_earlier_run(
     out = tmp_path / "out.json"
     stale = {**fake_job(config, tmp_path), "config_sha256": "0" * 64}
     calls.clear()
-    out.write_text(json.dumps({"runs": [], "shipped": {name: stale}}))
+    out.write_text(json.dumps({"runs": [], "shipped": {name: stale}}), encoding="utf-8")
     argv = ["--study", "shipped", "--epsilons", "8", "--out", str(out), "--runs-dir", str(tmp_path)]
     seg.main(argv)
-    data = json.loads(out.read_text())
+    data = json.loads(out.read_text(encoding="utf-8"))
     assert calls == [config] and data["shipped_history"] == [stale]
     assert data["shipped"][name]["config_sha256"] == seg.sha256_file(config)
     seg.main(argv)  # unchanged since: not trained again
     assert calls == [config]
-    assert "(earlier version)" in out.with_suffix(".md").read_text()
+    assert "(earlier version)" in out.with_suffix(".md").read_text(encoding="utf-8")

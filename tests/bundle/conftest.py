@@ -131,8 +131,10 @@ def monai_run(bundle: Path, dataset: Path, out: Path, **extra) -> None:
 
 def engine_model(bundle: Path) -> torch.nn.Module:
     """The trained network rebuilt by the engine's own builder (the reference)."""
-    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
-    cfg = yaml.safe_load((bundle / "docs" / "privacy_report.json").read_text())["run"]["config"]
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))
+    cfg = yaml.safe_load((bundle / "docs" / "privacy_report.json").read_text(encoding="utf-8"))[
+        "run"
+    ]["config"]
     fmt = meta["network_data_format"]
     net = build_network(
         cfg["model"]["name"],

@@ -56,9 +56,9 @@ def test_kept_handlers_write_only_into_the_custodian_folder(data_dir, tmp_path):
     assert written and all(p.is_relative_to(out) for p in written)
     saved = out / "private_not_for_release" / "bundle_handlers" / "validate_0_MetricsSaver"
     assert (saved / "metrics.csv").is_file()
-    details = (saved / "val_mean_dice_raw.csv").read_text().splitlines()
+    details = (saved / "val_mean_dice_raw.csv").read_text(encoding="utf-8").splitlines()
     assert len(details) == 2  # one row per validation case: custodian only
-    report = json.loads((out / "privacy_report.json").read_text())
+    report = json.loads((out / "privacy_report.json").read_text(encoding="utf-8"))
     assert any("MetricsSaver (validation)" in item for item in report["privacy"]["not_covered"])
     shareable = [p for p in written if "private_not_for_release" not in p.parts]
     assert shareable and not any(
@@ -109,7 +109,10 @@ def test_values_computed_from_the_data_lists_are_refused_or_listed(data_dir):
 
 
 def test_a_validation_list_of_training_images_is_refused(data_dir):
-    same = "validate#dataset#data=$[{'image': i, 'label': l} for i, l in zip(@images[:2], @labels[:2])]"
+    same = (
+        "validate#dataset#data=$[{'image': i, 'label': l} for i, l in "
+        "zip(@images[:2], @labels[:2])]"
+    )
     with pytest.raises(BundleConfigError, match=r"validate#dataset#data: 2 of its 2 items are "
                        r"training items"):  # fmt: skip
         prepare_bundle(BUNDLE, epsilon=8, overrides=[*_base(data_dir), same])

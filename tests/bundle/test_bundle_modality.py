@@ -26,7 +26,9 @@ def test_the_metadata_modality_chooses_the_probe_preset(modality, preset):
     assert b.cfg.probes.preset == preset  # PT (PET) has no preset: the default stays
     assert b.task.data_record["bundle"]["modality"] == modality
     chosen = prepare_bundle(
-        BUNDLE, epsilon=8, overrides=[f"dataset_dir={data}", "num_train=2", f"{MODALITY}={modality}"],
+        BUNDLE,
+        epsilon=8,
+        overrides=[f"dataset_dir={data}", "num_train=2", f"{MODALITY}={modality}"],
         settings=["probes.preset=ultrasound"],
-    )  # fmt: skip
+    )
     assert chosen.cfg.probes.preset == "ultrasound"

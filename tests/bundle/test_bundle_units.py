@@ -132,7 +132,7 @@ def test_a_look_at_a_volume_dataset_counts_no_draw():
 
 
 def test_equal_in_memory_items_are_separate_units_and_files_listed_twice_are_not():
-    """Equal arrays (a dataset's duplicate images) stay separate units; a repeated file is refused."""
+    """Equal arrays (a dataset's duplicate images) stay separate units; a file twice is refused."""
     from dpkfc_med.bundle.zoo_task import _units
 
     a, b = np.zeros((1, 2, 2)), np.ones((1, 2, 2))

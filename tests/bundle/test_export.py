@@ -47,7 +47,7 @@ def test_export_writes_model_configs_metadata_and_only_the_shareable_report(seg_
     assert (seg_bundle / "docs/privacy_report.json").read_bytes() == (
         seg_run / "privacy_report.json"
     ).read_bytes()
-    meta = json.loads((seg_bundle / "configs" / "metadata.json").read_text())
+    meta = json.loads((seg_bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))
     assert metadata_problems(meta) == []
     dp = meta["differential_privacy"]
     ledger = PrivacyLedger.load(seg_run / "ledger.json")
@@ -59,7 +59,9 @@ def test_export_writes_model_configs_metadata_and_only_the_shareable_report(seg_
     assert dp["sampler"] == "poisson" and dp["unit_of_privacy"] == "patient/volume"
     assert dp["privacy_report"]["sha256"] == sha256_file(seg_bundle / "docs/privacy_report.json")
     # the UNet is rebuilt by plain MONAI, checked against the engine's build
-    net_def = yaml.safe_load((seg_bundle / "configs" / "inference.yaml").read_text())["network_def"]
+    net_def = yaml.safe_load(
+        (seg_bundle / "configs" / "inference.yaml").read_text(encoding="utf-8")
+    )["network_def"]
     assert net_def["_target_"] == "monai.networks.nets.UNet"
     assert "dpkfc-med" not in meta["required_packages_version"]
 
@@ -125,7 +127,11 @@ def test_exported_classification_bundle_writes_probabilities_like_the_engine(cls
         rows = np.loadtxt(
             tmp_path / "pred" / f"{split}_probabilities.csv", delimiter=",", skiprows=1
         )
-        header = (tmp_path / "pred" / f"{split}_probabilities.csv").read_text().splitlines()[0]
+        header = (
+            (tmp_path / "pred" / f"{split}_probabilities.csv")
+            .read_text(encoding="utf-8")
+            .splitlines()[0]
+        )
         assert header == "index,prob_normal,prob_pneumonia"
         assert rows.shape == (n, 3)
         np.testing.assert_array_equal(rows[:, 0], np.arange(n))
@@ -150,12 +156,16 @@ def test_verify_net_in_out_passes(which, seg_bundle, cls_bundle):
 
 
 def test_small_cnn_bundle_says_it_needs_dpkfc_med(cls_bundle):
-    meta = json.loads((cls_bundle / "configs" / "metadata.json").read_text())
-    net_def = yaml.safe_load((cls_bundle / "configs" / "inference.yaml").read_text())["network_def"]
+    meta = json.loads((cls_bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))
+    net_def = yaml.safe_load(
+        (cls_bundle / "configs" / "inference.yaml").read_text(encoding="utf-8")
+    )["network_def"]
     assert net_def["_target_"] == "dpkfc_med.bundle.build_network"
     assert "dpkfc-med" in meta["required_packages_version"]
     assert "plain MONAI cannot rebuild" in meta["network_definition"]
-    assert "pip install dpkfc-med" in (cls_bundle / "docs" / "README.md").read_text()
+    assert "pip install dpkfc-med" in (cls_bundle / "docs" / "README.md").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_segmentation_bundle_names_an_empty_folder(seg_bundle, tmp_path):
@@ -172,8 +182,8 @@ def test_segmentation_bundle_names_an_empty_folder(seg_bundle, tmp_path):
 def test_incomplete_run_is_refused(seg_run, copy_run, tmp_path):
     run = copy_run(seg_run)
     (run / "model.pt").unlink()
-    status = json.loads((run / "run.json").read_text())
-    (run / "run.json").write_text(json.dumps({**status, "status": "incomplete"}))
+    status = json.loads((run / "run.json").read_text(encoding="utf-8"))
+    (run / "run.json").write_text(json.dumps({**status, "status": "incomplete"}), encoding="utf-8")
     with pytest.raises(BundleExportError, match=r"status 'incomplete', not 'complete'") as info:
         export_bundle(run, tmp_path / "out")
     assert "--resume --out" in str(info.value)
@@ -182,10 +192,10 @@ def test_incomplete_run_is_refused(seg_run, copy_run, tmp_path):
 
 def test_over_budget_ledger_is_refused(seg_run, copy_run, tmp_path):
     run = copy_run(seg_run)
-    ledger = json.loads((run / "ledger.json").read_text())
+    ledger = json.loads((run / "ledger.json").read_text(encoding="utf-8"))
     for event in ledger["events"]:
         event["steps"] *= 50
-    (run / "ledger.json").write_text(json.dumps(ledger))
+    (run / "ledger.json").write_text(json.dumps(ledger), encoding="utf-8")
     with pytest.raises(BundleExportError, match=r"exceeds the run's target 8") as info:
         export_bundle(run, tmp_path / "out")
     assert "ledger.json: epsilon" in str(info.value)
@@ -198,20 +208,22 @@ def test_missing_ledger_and_non_empty_out_are_refused(seg_run, copy_run, tmp_pat
     with pytest.raises(BundleExportError, match=r"ledger\.json: missing"):
         export_bundle(run, tmp_path / "out")
     (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "full" / "x").write_text("x", encoding="utf-8")
     with pytest.raises(BundleExportError, match="exists and is not empty"):
         export_bundle(seg_run, tmp_path / "full")
 
 
 def test_nonprivate_run_is_exported_loudly_marked(nonprivate_run, tmp_path):
     bundle = export_bundle(nonprivate_run, tmp_path / "np")
-    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))
     assert metadata_problems(meta) == []
     dp = meta["differential_privacy"]
     assert dp["private"] is False and dp["epsilon_spent"] is None
     for text in (meta["task"], meta["description"], dp["guarantee"], dp["warning"]):
         assert text.startswith(NO_GUARANTEE), text
-    assert (bundle / "docs" / "README.md").read_text().startswith(f"# {NO_GUARANTEE}")
+    assert (
+        (bundle / "docs" / "README.md").read_text(encoding="utf-8").startswith(f"# {NO_GUARANTEE}")
+    )
 
 
 def test_cli_bundle_export(seg_run, copy_run, tmp_path, capsys):
@@ -219,10 +231,10 @@ def test_cli_bundle_export(seg_run, copy_run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bundle:" in out
     # the shipped config's data statements travel with the export: the user is asked to check
-    meta = json.loads((tmp_path / "b" / "configs" / "metadata.json").read_text())
+    meta = json.loads((tmp_path / "b" / "configs" / "metadata.json").read_text(encoding="utf-8"))
     modality = meta["network_data_format"]["inputs"]["image"]["modality"]
     assert f"check: the metadata states modality {modality!r}" in out
     run = copy_run(seg_run)
-    (run / "run.json").write_text(json.dumps({"status": "incomplete"}))
+    (run / "run.json").write_text(json.dumps({"status": "incomplete"}), encoding="utf-8")
     assert main(["bundle", "export", str(run), str(tmp_path / "c")]) == 2
     assert "status 'incomplete'" in capsys.readouterr().err

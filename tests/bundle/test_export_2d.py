@@ -55,7 +55,7 @@ def test_png_bundle_writes_png_label_maps_like_the_engine(png_bundle, tmp_path):
 
     from dpkfc_med.data import segmentation_transforms
 
-    meta = json.loads((png_bundle / "configs" / "metadata.json").read_text())
+    meta = json.loads((png_bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))
     assert meta["task"].startswith("2D segmentation of")
     assert meta["network_data_format"]["inputs"]["image"]["spatial_shape"] == [16, 16]
     rng = np.random.default_rng(5)
@@ -89,7 +89,9 @@ def test_slices_bundle_predicts_volumes_slice_by_slice_like_the_engine(slices_bu
     from dpkfc_med.data import segmentation_transforms
     from dpkfc_med.data.slices import SliceRule
 
-    infer = yaml.safe_load((slices_bundle / "configs" / "inference.yaml").read_text())
+    infer = yaml.safe_load(
+        (slices_bundle / "configs" / "inference.yaml").read_text(encoding="utf-8")
+    )
     assert infer["inferer"]["_target_"] == "SliceInferer" and infer["inferer"]["spatial_dim"] == 2
     cases = tmp_path / "cases"
     cases.mkdir()

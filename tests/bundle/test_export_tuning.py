@@ -48,7 +48,7 @@ def bundle(tuning, tmp_path_factory) -> Path:
 def test_metadata_and_readme_state_the_tuning_beside_the_total_epsilon(tuning, bundle):
     folder, record = tuning
     plan = record["plan"]
-    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))
     assert metadata_problems(meta) == []
     dp = meta["differential_privacy"]
     assert dp["private"] and dp["epsilon_target"] == 4.0
@@ -64,7 +64,7 @@ def test_metadata_and_readme_state_the_tuning_beside_the_total_epsilon(tuning, b
     assert t["released"]["params"] == chosen["params"]
     words = "expected 2 trials"
     assert words in meta["description"] and "covering its hyperparameter tuning" in meta["task"]
-    readme = (bundle / "docs" / "README.md").read_text()
+    readme = (bundle / "docs" / "README.md").read_text(encoding="utf-8")
     assert "- tuning: Accounted hyperparameter tuning" in readme and words in readme
     assert f"epsilon {plan['epsilon']:.3f}".rstrip("0") in readme or "epsilon 4" in readme
     assert "tuning_report.md" in readme and "privacy_report.md" not in readme
@@ -77,7 +77,9 @@ def test_metadata_and_readme_state_the_tuning_beside_the_total_epsilon(tuning, b
     }
     for other in record["trials"]:
         if other["index"] != record["selected"]:
-            assert not any(repr(other["score"])[:12] in p.read_text() for p in shipped)
+            assert not any(
+                repr(other["score"])[:12] in p.read_text(encoding="utf-8") for p in shipped
+            )
     assert "count" not in dp["tuning"] and "trials_run" not in json.dumps(dp)
 
 
@@ -126,7 +128,7 @@ def test_bundle_holds_the_selected_trials_weights(tuning, bundle):
 
 
 def test_tuning_report_states_the_mechanism_beside_the_total(tuning):
-    text = (tuning[0] / "tuning_report.md").read_text()
+    text = (tuning[0] / "tuning_report.md").read_text(encoding="utf-8")
     head = text.split("\n\n")[1]  # the line with the total epsilon
     assert "expected 2 trials" in head and "one trial alone" in head
     assert "selection" in head and "released model" in head
@@ -136,9 +138,9 @@ def test_unfinished_or_swapped_tuning_is_refused(tuning, tmp_path):
     folder, record = tuning
     stopped = tmp_path / "stopped"
     shutil.copytree(folder, stopped)
-    ledger = json.loads((stopped / TUNING_LEDGER).read_text())
+    ledger = json.loads((stopped / TUNING_LEDGER).read_text(encoding="utf-8"))
     ledger["trials"][1]["status"] = "running"
-    (stopped / TUNING_LEDGER).write_text(json.dumps(ledger))
+    (stopped / TUNING_LEDGER).write_text(json.dumps(ledger), encoding="utf-8")
     with pytest.raises(BundleExportError, match="stopped before every trial was scored"):
         export_bundle(stopped, tmp_path / "b1")
     swapped = tmp_path / "swapped"

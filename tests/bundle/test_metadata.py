@@ -20,7 +20,7 @@ ENVIRONMENT = ("monai_version", "pytorch_version", "numpy_version", "required_pa
 
 
 def _meta(name: str) -> dict:
-    return json.loads((PIPELINES / name / "configs" / "metadata.json").read_text())
+    return json.loads((PIPELINES / name / "configs" / "metadata.json").read_text(encoding="utf-8"))
 
 
 def test_required_keys_cover_monai_default_metadata():
@@ -39,9 +39,9 @@ def test_pipeline_metadata_is_complete_and_states_the_target(name):
         for spec in meta["network_data_format"][part].values():
             assert set(TENSOR_KEYS) <= set(spec)
     dp = meta["differential_privacy"]
-    run_config = json.loads((PIPELINES / name / "configs" / "train.json").read_text())[
-        "private_training"
-    ]
+    run_config = json.loads(
+        (PIPELINES / name / "configs" / "train.json").read_text(encoding="utf-8")
+    )["private_training"]
     assert dp["private"] is True
     assert dp["epsilon_target"] == run_config["privacy"]["target_epsilon"]
     assert dp["max_grad_norm"] == run_config["privacy"]["max_grad_norm"]
@@ -56,7 +56,7 @@ def test_pipeline_metadata_is_complete_and_states_the_target(name):
 def test_generated_pipeline_files_are_up_to_date(name):
     generated = pipeline_files(PIPELINES / name)
     for rel, text in generated.items():
-        committed = (PIPELINES / name / rel).read_text()
+        committed = (PIPELINES / name / rel).read_text(encoding="utf-8")
         if rel.endswith(".json"):  # versions are those of the machine that generated them
             a, b = json.loads(committed), json.loads(text)
             for key in ENVIRONMENT:

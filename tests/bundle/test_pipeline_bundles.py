@@ -83,19 +83,23 @@ def seg_bundle_run(tmp_path_factory):
 
 def test_segmentation_bundle_trains_privately_and_evaluates_its_test_list(seg_bundle_run, capsys):
     run = seg_bundle_run
-    report = json.loads((run / "privacy_report.json").read_text())
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     p = report["privacy"]
     assert report["status"] == "complete" and p["method"] == "dp-kfc"
     assert p["target_epsilon"] == 8.0 and p["max_grad_norm"] == 0.125  # private_training
     ledger = PrivacyLedger.load(run / "ledger.json")
     assert ledger.steps == p["steps"] > 0 and ledger.epsilon() <= 8.0
-    metrics = json.loads((run / "private_not_for_release" / "metrics.json").read_text())
+    metrics = json.loads(
+        (run / "private_not_for_release" / "metrics.json").read_text(encoding="utf-8")
+    )
     assert 0.0 <= metrics["val"]["val_mean_dice"] <= 1.0
     assert metrics["test"]["n"] == 2 and 0.0 <= metrics["test"]["test_mean_dice"] <= 1.0
     # `dpkfc-med evaluate` reads a bundle run: the bundle's evaluator on its test list
     assert main(["evaluate", str(run), "--split", "test"]) == 0
     out = json.loads(
-        (run / "private_not_for_release" / "evaluations" / "bundle_test.json").read_text()
+        (run / "private_not_for_release" / "evaluations" / "bundle_test.json").read_text(
+            encoding="utf-8"
+        )
     )
     assert out["test_mean_dice"] == pytest.approx(metrics["test"]["test_mean_dice"])
     assert out["overlap_with_training"]["shared"] == 0 and out["not_dp"] is False
@@ -121,17 +125,17 @@ def test_private_training_cannot_set_what_the_components_give(tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(PIPELINES / "segmentation_3d", bundle)
     train = bundle / "configs" / "train.json"
-    config = json.loads(train.read_text())
+    config = json.loads(train.read_text(encoding="utf-8"))
     config["private_training"]["model"] = {"name": "unet"}
     config["private_training"]["data"]["path"] = "/elsewhere"
     del config["private_training"]["privacy"]["target_epsilon"]
-    train.write_text(json.dumps(config))
+    train.write_text(json.dumps(config), encoding="utf-8")
     with pytest.raises(BundleConfigError) as err:
         prepare_bundle(bundle, epsilon=8)
     assert "private_training#model" in str(err.value)
     assert "private_training#data#path" in str(err.value)
     del config["private_training"]["model"], config["private_training"]["data"]["path"]
-    train.write_text(json.dumps(config))
+    train.write_text(json.dumps(config), encoding="utf-8")
     with pytest.raises(BundleConfigError, match="no target epsilon: pass --epsilon"):
         prepare_bundle(bundle)
     assert prepare_bundle(bundle, epsilon=3).cfg.privacy.target_epsilon == 3.0

@@ -52,7 +52,7 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
     for o in _overrides(data_dir, epochs=1):
         args += ["--override", o]
     assert main([*args, "--set", "training.progress=false"]) == 0
-    report = json.loads((out / "privacy_report.json").read_text())
+    report = json.loads((out / "privacy_report.json").read_text(encoding="utf-8"))
     p = report["privacy"]
     assert report["status"] == "complete"
     assert 7.0 < p["epsilon"]["prv"] <= 8.0
@@ -74,14 +74,18 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
     for word in ("train#dataloader#shuffle", "ValidationHandler", "CheckpointSaver"):
         assert word in replaced
     assert any("StatsHandler" in item for item in p["not_covered"])
-    shown = (out / "privacy_report.md").read_text()
+    shown = (out / "privacy_report.md").read_text(encoding="utf-8")
     assert "### MONAI bundle" in shown and "(CheckpointSaver): replaced" in shown
-    metrics = json.loads((out / "private_not_for_release" / "metrics.json").read_text())
+    metrics = json.loads(
+        (out / "private_not_for_release" / "metrics.json").read_text(encoding="utf-8")
+    )
     assert 0.0 <= metrics["val"]["val_mean_dice"] <= 1.0
     # the bundle's own CheckpointSaver (keyed on validation Dice) never ran
     assert not (bundle / "models" / "model.pt").exists()
     assert main(["bundle", "export", str(out), str(tmp_path / "exported")]) == 0
-    meta = json.loads((tmp_path / "exported" / "configs" / "metadata.json").read_text())
+    meta = json.loads(
+        (tmp_path / "exported" / "configs" / "metadata.json").read_text(encoding="utf-8")
+    )
     spent = meta["differential_privacy"]["epsilon_spent"]
     assert spent["prv"] == pytest.approx(p["epsilon"]["prv"])
 
@@ -204,7 +208,7 @@ def test_monai_bundle_run_with_the_private_overlay(bundle, data_dir, tmp_path):
             ],
         },
     )
-    report = json.loads((out / "privacy_report.json").read_text())
+    report = json.loads((out / "privacy_report.json").read_text(encoding="utf-8"))
     assert report["status"] == "complete"
     assert 7.0 < report["privacy"]["epsilon"]["prv"] <= 8.0
     assert report["training"]["pretraining"]["steps"] == 2

@@ -118,7 +118,10 @@ def test_shampoo_and_diagonal_blocks_are_the_damped_roots(float64):
 def test_family_is_a_config_field_with_a_clear_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
-    cfg.write_text((root / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml").read_text())
+    cfg.write_text(
+        (root / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml").read_text(encoding="utf-8"),
+        encoding="utf-8",
+    )
     assert load_config(cfg, ["preconditioner.family=shampoo"]).preconditioner_config().family
     with pytest.raises(ConfigError, match=r"preconditioner.family.*'kfac', 'shampoo', 'diagonal'"):
         load_config(cfg, ["preconditioner.family=adam"])

@@ -46,7 +46,7 @@ def dicom_dir() -> Path:
 def shared_sha256() -> dict[str, str]:
     sums = _resolve_or_skip("SHA256SUMS")
     out = {}
-    for line in sums.read_text().splitlines():
+    for line in sums.read_text(encoding="utf-8").splitlines():
         digest, name = line.split(maxsplit=1)
         out[name.removeprefix("./")] = digest
     return out
@@ -120,7 +120,7 @@ def _write_dataset_json(root: Path, case_ids: Sequence[str], labels: dict | None
             {"image": f"./imagesTr/{c}.nii.gz", "label": f"./labelsTr/{c}.nii.gz"} for c in case_ids
         ],
     }
-    (root / "dataset.json").write_text(json.dumps(meta))
+    (root / "dataset.json").write_text(json.dumps(meta), encoding="utf-8")
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def test_folder_errors(dicom_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(DataValidationError, match="folder is empty"):
         read_dicom_series(tmp_path / "empty")
     (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "readme.txt").write_text("no images here")
+    (tmp_path / "notes" / "readme.txt").write_text("no images here", encoding="utf-8")
     with pytest.raises(DataValidationError, match=r"no DICOM series found among 1 entries"):
         read_dicom_series(tmp_path / "notes")
     with pytest.raises(DataValidationError, match="not a readable DICOM file"):
@@ -192,7 +192,7 @@ def test_series_folder_reads_the_source_volumes_and_geometry(
     root = _dicom_dataset(hippo_root, tmp_path / "data", ids, layout=layout)
     (root / ids[0] if layout != "imagesTr" else root / "imagesTr" / ids[0]).joinpath(
         "notes.txt"
-    ).write_text("scanner notes, not an image")
+    ).write_text("scanner notes, not an image", encoding="utf-8")
     before = sorted(p for p in root.rglob("*"))
     with pytest.warns(UserWarning, match=r"skipped files that are not DICOM.*notes.txt"):
         cases = load_segmentation_folder(root, cache_dir=tmp_path / "cache")
@@ -358,12 +358,12 @@ def test_cli_trains_on_a_dicom_series_folder(hippo_root: Path, tmp_path: Path) -
     args = ["train", str(CONFIG), "--data", str(root), "--out", str(run), "--method", "dp-sgd"]
     assert main([*args, *_sets(sets)]) == 0
     private = run / "private_not_for_release"
-    split = json.loads((private / "split.json").read_text())
+    split = json.loads((private / "split.json").read_text(encoding="utf-8"))
     assert {k: len(v) for k, v in split.items()} == {"train": 4, "val": 1, "test": 1}
     assert sorted(p.name for p in (private / "dicom_cache").glob("*/*/*.nii.gz")) == [
         f"{c}.nii.gz" for c in ids
     ]
-    metrics = json.loads((private / "metrics.json").read_text())
+    metrics = json.loads((private / "metrics.json").read_text(encoding="utf-8"))
     assert 0.0 <= metrics["test"]["mean_dice"] <= 1.0
 
 

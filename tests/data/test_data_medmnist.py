@@ -130,7 +130,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_not_an_npz(tmp_path: Path) -> None:
     path = tmp_path / "text.npz"
-    path.write_text("hello")
+    path.write_text("hello", encoding="utf-8")
     with pytest.raises(DataValidationError, match=r"not a \.npz \(zip\) archive"):
         load_medmnist(path)
 

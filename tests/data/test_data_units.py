@@ -22,7 +22,7 @@ from dpkfc_med.data.units import (
 
 def _csv(tmp_path: Path, text: str, name: str = "units.csv") -> Path:
     path = tmp_path / name
-    path.write_text(text)
+    path.write_text(text, encoding="utf-8")
     return path
 
 

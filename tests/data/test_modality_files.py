@@ -118,7 +118,7 @@ def _index(root: Path, modalities: dict[str, str]) -> None:
     ]
     labels = {"0": "background", "1": "anterior", "2": "posterior"}
     index = {"modality": modalities, "labels": labels, "training": training}
-    (root / "dataset.json").write_text(json.dumps(index))
+    (root / "dataset.json").write_text(json.dumps(index), encoding="utf-8")
 
 
 def test_an_nnunet_index_lists_the_case_and_finds_its_modality_files(tmp_path):
@@ -197,12 +197,12 @@ def test_an_nnunet_v2_folder_declares_channels_and_labels_without_a_list(tmp_pat
     root = _per_file(tmp_path / "d")
     labels = {"background": 0, "anterior": 1, "posterior": 2}
     index = {"channel_names": {"0": "T2", "1": "ADC"}, "labels": labels, "numTraining": 3}
-    (root / "dataset.json").write_text(json.dumps(index))
+    (root / "dataset.json").write_text(json.dumps(index), encoding="utf-8")
     cases = load_segmentation_folder(root)
     assert cases.num_classes == 3 and cases.label_names == {0: "background", 1: "anterior",
                                                              2: "posterior"}  # fmt: skip
     assert [c.channels for c in cases] == [2, 2, 2]
     index["channel_names"] = {"0": "T2"}
-    (root / "dataset.json").write_text(json.dumps(index))
+    (root / "dataset.json").write_text(json.dumps(index), encoding="utf-8")
     with pytest.raises(DataValidationError, match="declares 1 modality;"):
         load_segmentation_folder(root)

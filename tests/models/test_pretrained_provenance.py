@@ -27,7 +27,9 @@ def _run_folder(tmp_path: Path, name: str, sha256: dict[str, str], state: dict) 
     (run / "private_not_for_release").mkdir(parents=True)
     torch.save({"model": state}, run / "model.pt")
     record = {"data": {"sha256": sha256}}
-    (run / "private_not_for_release" / "custodian_report.json").write_text(json.dumps(record))
+    (run / "private_not_for_release" / "custodian_report.json").write_text(
+        json.dumps(record), encoding="utf-8"
+    )
     return run / "model.pt"
 
 

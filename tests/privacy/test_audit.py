@@ -648,7 +648,7 @@ def _audit_config(tmp_path: Path, **privacy) -> Path:
         "output": {"dir": str(tmp_path / "runs" / "{name}")},
     }
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
 
 
@@ -658,7 +658,7 @@ def test_cli_audit_writes_audit_json_and_the_report_block(tmp_path, capsys):
     out = capsys.readouterr().out
     run_dir = tmp_path / "runs" / "tiny_audit"  # default: the config's run dir + _audit
     assert audit_run_dir(load_config(cfg_path)) == run_dir
-    record = json.loads((run_dir / AUDIT_FILE).read_text())
+    record = json.loads((run_dir / AUDIT_FILE).read_text(encoding="utf-8"))
     for key in (
         "epsilon_lower_bound",
         "epsilon_accounted",
@@ -682,7 +682,7 @@ def test_cli_audit_writes_audit_json_and_the_report_block(tmp_path, capsys):
     assert record["test"] == "f-DP" and record["max_bound"] >= record["epsilon_lower_bound"]
     assert record["verdict"].startswith(record["verdict_code"])
     assert record["noise_scale"] == 1.0 and record["research_only_not_dp"] is False
-    report = json.loads((run_dir / "privacy_report.json").read_text())
+    report = json.loads((run_dir / "privacy_report.json").read_text(encoding="utf-8"))
     assert report["audit"]["epsilon_lower_bound"] == record["epsilon_lower_bound"]
     assert report["audit"]["epsilon_accounted"] == report["privacy"]["epsilon"]["prv"]
     assert "epsilon >=" in out and "epsilon <=" in out and "not a release" in out
@@ -724,7 +724,7 @@ def test_cli_audit_noise_scale_is_recorded_as_research_only(tmp_path, capsys):
     args = ["audit", str(cfg_path), "--canaries", "400", "--noise-scale", "0.1"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    record = json.loads((tmp_path / "runs" / "tiny_audit" / AUDIT_FILE).read_text())
+    record = json.loads((tmp_path / "runs" / "tiny_audit" / AUDIT_FILE).read_text(encoding="utf-8"))
     assert record["noise_scale"] == 0.1 and record["research_only_not_dp"] is True
     assert record["verdict"].startswith("RESEARCH ONLY, NOT DIFFERENTIALLY PRIVATE")
     assert record["mechanism"]["noise_multiplier_drawn"] == pytest.approx(0.1)
@@ -735,6 +735,6 @@ def test_audit_refuses_a_training_run_directory(tmp_path):
     cfg = load_config(_audit_config(tmp_path))
     run_dir = tmp_path / "trained"
     run_dir.mkdir()
-    (run_dir / "run.json").write_text('{"status": "complete"}')
+    (run_dir / "run.json").write_text('{"status": "complete"}', encoding="utf-8")
     with pytest.raises(ConfigError, match="never reuses a run directory"):
         run_audit(cfg, out=run_dir, canaries=100)

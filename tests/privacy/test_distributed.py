@@ -105,7 +105,7 @@ def _run_train_job(rank, out, job):
     except Exception as err:
         result["error"] = f"{type(err).__name__}: {err}"
         result["refused"] = isinstance(err, MechanismMismatchError)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
     return "error" not in result or result["refused"]
 
 
@@ -147,7 +147,7 @@ def _run_job(rank, out, job):
         result["error"] = f"{type(err).__name__}: {err}"
         result["refused"] = isinstance(err, MechanismMismatchError)
         result["steps"] = 0 if popt is None else popt.steps_taken
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
     return "error" not in result
 
 
@@ -184,7 +184,7 @@ def _spawn(folder, jobs):
         out[name] = {}
         for rank in (0, 1):
             f = folder / name / f"rank{rank}.json"
-            out[name][rank] = json.loads(f.read_text()) if f.exists() else None
+            out[name][rank] = json.loads(f.read_text(encoding="utf-8")) if f.exists() else None
     return out
 
 
@@ -283,7 +283,7 @@ def test_noise_is_drawn_once_and_spent_once(secure, two_ranks):
     assert not torch.equal(g0[0], g0[1])  # fresh noise every step
     assert (tmp_path / "ledger_rank0.json").is_file()
     assert not (tmp_path / "ledger_rank1.json").exists()
-    ledger = json.loads((tmp_path / "ledger_rank0.json").read_text())
+    ledger = json.loads((tmp_path / "ledger_rank0.json").read_text(encoding="utf-8"))
     assert ledger["meta"]["world_size"] == 2 and ledger["meta"]["backend"] == "gloo"
     assert ledger["steps"] == 2
     eng, pm, popt, loader = _engine("dp-sgd", _model(), sigma=sigma)
@@ -329,7 +329,7 @@ def test_ranks_with_another_mechanism_are_refused_before_any_step(job, wanted, t
             assert re.search(pattern, res[rank]["error"]), (pattern, res[rank]["error"])
     assert res[0]["error"] == res[1]["error"]  # one verdict, on every rank
     ledger = folder / job / "ledger_rank0.json"
-    assert not ledger.exists() or json.loads(ledger.read_text())["steps"] == 0
+    assert not ledger.exists() or json.loads(ledger.read_text(encoding="utf-8"))["steps"] == 0
     if job == "differ-sigma-model":  # the other fields agree and are not named
         assert "max_grad_norm" not in res[0]["error"]
         assert "model_architecture" not in res[0]["error"]
@@ -352,7 +352,7 @@ def test_ranks_holding_the_units_in_another_order_are_refused_before_any_step(tw
     run = folder / "train-order" / "run"
     assert not (run / "model.pt").exists()
     ledger = run / "ledger.json"
-    assert not ledger.exists() or json.loads(ledger.read_text())["steps"] == 0
+    assert not ledger.exists() or json.loads(ledger.read_text(encoding="utf-8"))["steps"] == 0
 
 
 def test_unit_ids_are_read_in_item_order_from_every_kind_of_training_set():

@@ -388,9 +388,9 @@ def test_enums_paths_and_numpy_values_are_accepted(tmp_path):
     report["privacy"]["steps"] = np.int64(100)
     assert validate_report(report) == []
     paths = write_report(report, tmp_path, custodian=custodian)
-    stored = json.loads(paths["json"].read_text())
+    stored = json.loads(paths["json"].read_text(encoding="utf-8"))
     assert stored["privacy"]["method"] == "dp-kfc"
-    private = json.loads(paths["custodian_json"].read_text())
+    private = json.loads(paths["custodian_json"].read_text(encoding="utf-8"))
     assert private["metrics"]["test"]["auroc"] is None  # strict JSON has no NaN
     assert isinstance(private["history"]["loss"], list)
 
@@ -410,7 +410,7 @@ def test_write_report_produces_all_files(written):
         assert paths[key] == run_dir / rel and paths[key].is_file()
     for key, rel in CUSTODIAN_FILES.items():
         assert paths[f"custodian_{key}"] == run_dir / rel and (run_dir / rel).is_file()
-    assert json.loads(paths["json"].read_text()) == example_report()
+    assert json.loads(paths["json"].read_text(encoding="utf-8")) == example_report()
     for key in ("epsilon_plot", "custodian_training_plot"):
         assert paths[key].read_bytes().startswith(PNG_MAGIC)
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
@@ -420,7 +420,7 @@ def test_write_report_produces_all_files(written):
 
 
 def test_markdown_states_the_guarantee(written):
-    md = written[1]["markdown"].read_text()
+    md = written[1]["markdown"].read_text(encoding="utf-8")
     assert md.startswith("# Privacy report: breastmnist-dpkfc")
     assert (
         "(epsilon, delta) = (1.235, 1e-5) for the add/remove-one-image relation, Poisson "
@@ -456,7 +456,7 @@ def test_markdown_states_the_guarantee(written):
     assert "GroupNorm(32, 64)" in md
     assert sha_hex("data") not in md and "a" * 40 in md
     assert "INCOMPLETE" not in md and "NO PRIVACY GUARANTEE" not in md
-    private = written[1]["custodian_markdown"].read_text()
+    private = written[1]["custodian_markdown"].read_text(encoding="utf-8")
     assert private.startswith("# Custodian report (private, not for release)")
     assert "| **malignant** | 21 | 21 |" in private and sha_hex("data") in private
     assert "![Training loss against step and validation metric against epoch]" in private
@@ -464,7 +464,7 @@ def test_markdown_states_the_guarantee(written):
 
 
 def test_html_is_self_contained(written):
-    page = written[1]["html"].read_text()
+    page = written[1]["html"].read_text(encoding="utf-8")
     assert page.count('src="data:image/png;base64,') == 1
     assert "plots/epsilon.png" not in page
     assert "1.235" in page and "INCOMPLETE RUN" not in page
@@ -491,7 +491,7 @@ def test_rerender_errors_name_the_problem(tmp_path):
         rerender(tmp_path)
     bad = example_report()
     del bad["privacy"]["epsilon"]["pld"]
-    (tmp_path / REPORT_FILES["json"]).write_text(json.dumps(bad))
+    (tmp_path / REPORT_FILES["json"]).write_text(json.dumps(bad), encoding="utf-8")
     with pytest.raises(ReportSchemaError, match=r"privacy\.epsilon\.pld: missing"):
         rerender(tmp_path)
 

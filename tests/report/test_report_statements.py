@@ -95,9 +95,9 @@ def test_segmentation_report_with_undefined_values(tmp_path):
     assert "at most 4 samples per unit" in md
     assert "| tumour | nan |" in render_custodian_markdown(custodian)
     paths = write_report(report, tmp_path, custodian=custodian)
-    stored = json.loads(paths["custodian_json"].read_text())
+    stored = json.loads(paths["custodian_json"].read_text(encoding="utf-8"))
     assert stored["history"]["loss"][3] is None and stored["metrics"]["test"]["dice"][1] is None
-    assert "| tumour | n/a |" in paths["custodian_markdown"].read_text()
+    assert "| tumour | n/a |" in paths["custodian_markdown"].read_text(encoding="utf-8")
 
 
 def test_auto_refresh_schedule_is_stated_with_its_estimate():

@@ -42,7 +42,9 @@ def _toy(tmp_path: Path, ids: list[str] = PATIENTS, **extra: np.ndarray) -> Path
 
 def _write_csv(tmp_path: Path, ids: list[str], name: str = "patients.csv") -> Path:
     path = tmp_path / name
-    path.write_text("index,unit_id\n" + "".join(f"{i},{u}\n" for i, u in enumerate(ids)))
+    path.write_text(
+        "index,unit_id\n" + "".join(f"{i},{u}\n" for i, u in enumerate(ids)), encoding="utf-8"
+    )
     return path
 
 
@@ -85,7 +87,7 @@ def test_npz_unit_ids_are_used_and_must_agree_with_a_csv(tmp_path):
 
 def test_bad_mapping_names_the_file_and_rows(tmp_path):
     bad = tmp_path / "bad.csv"
-    bad.write_text("index,unit_id\n0,a\n0,b\n")
+    bad.write_text("index,unit_id\n0,a\n0,b\n", encoding="utf-8")
     with pytest.raises(DataValidationError) as info:
         _task(tmp_path, unit_ids=str(bad))
     err = str(info.value)

@@ -45,12 +45,12 @@ def _config(tmp_path: Path, **sections) -> Path:
         else:
             cfg[key] = value
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
 
 
 def _report(run: Path) -> dict:
-    return json.loads((run / "privacy_report.json").read_text())
+    return json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
 
 
 def _opacus_epsilon(report: dict) -> float:
@@ -84,14 +84,16 @@ def test_train_2d_dp_kfc_report_and_evaluate(tmp_path, capsys):
     assert rep["privacy"]["epsilon"]["prv"] <= 4.0
     assert rep["preconditioner"]["uses_private_data"] is False
     assert [r["step"] for r in rep["preconditioner"]["refreshes"]] == [0, 2, 4]
-    private = json.loads((out / "private_not_for_release" / "custodian_report.json").read_text())
+    private = json.loads(
+        (out / "private_not_for_release" / "custodian_report.json").read_text(encoding="utf-8")
+    )
     assert 0.0 <= private["metrics"]["test"]["auroc"] <= 1.0 and "metrics" not in rep
-    md = (out / "privacy_report.md").read_text()
+    md = (out / "privacy_report.md").read_text(encoding="utf-8")
     assert "probe" in md.lower()
     # evaluate on another MedMNIST-format file of the same task; results are custodian-only
     assert main(["evaluate", str(out), "--data", str(BALANCED), "--split", "val"]) == 0
     saved = out / "private_not_for_release" / "evaluations" / "pneumoniamnist_balanced_val.json"
-    ev = json.loads(saved.read_text())
+    ev = json.loads(saved.read_text(encoding="utf-8"))
     assert ev["n"] == 270 and 0 <= ev["accuracy"] <= 1
     assert not (out / "evaluations").exists()
     assert ev["overlap_with_training"]["checked"] and ev["overlap_with_training"]["training"] == 96
@@ -120,7 +122,10 @@ def test_resume_continues_the_ledger_exactly(tmp_path):
     part = load_config(cfg_path, [f"output.dir={tmp_path / 'part'}"])
     first = train(part, stop_after_epochs=1)
     assert first.status == "incomplete"
-    assert json.loads((tmp_path / "part" / "run.json").read_text())["status"] == "incomplete"
+    assert (
+        json.loads((tmp_path / "part" / "run.json").read_text(encoding="utf-8"))["status"]
+        == "incomplete"
+    )
     assert _report(tmp_path / "part")["status"] == "incomplete"
     resumed = train(part, resume=True)
     assert resumed.status == "complete"
@@ -208,7 +213,7 @@ def test_bad_input_clear_error_and_nothing_written(case, pattern, tmp_path, caps
         declared = {"num_classes": 2} if case == "label_outside_declared" else {}
         sections["data"] = {"path": str(path), **declared}
     elif case == "unit_ids_bad_rows":
-        (tmp_path / "units.csv").write_text("index,unit_id\n0,patient_1\n")
+        (tmp_path / "units.csv").write_text("index,unit_id\n0,patient_1\n", encoding="utf-8")
         sections["data"] = {
             "path": str(_bad_npz(tmp_path)),
             "unit_ids": str(tmp_path / "units.csv"),
@@ -264,7 +269,7 @@ def test_nonprivate_run_reports_no_guarantee(tmp_path):
     assert main(["train", str(cfg), "--out", str(out)]) == 0
     rep = _report(out)
     assert rep["privacy"]["private"] is False and rep["privacy"]["epsilon"] is None
-    assert "NO PRIVACY GUARANTEE" in (out / "privacy_report.md").read_text()
+    assert "NO PRIVACY GUARANTEE" in (out / "privacy_report.md").read_text(encoding="utf-8")
 
 
 def _disjoint_proxy(tmp_path: Path) -> Path:
@@ -297,7 +302,9 @@ def test_public_proxy_is_labelled_as_external_data(tmp_path):
     pre = _report(out)["preconditioner"]
     assert pre["uses_private_data"] is False
     assert "path" not in pre["external_data"]  # paths stay in the custodian report
-    custodian = json.loads((out / "private_not_for_release/custodian_report.json").read_text())
+    custodian = json.loads(
+        (out / "private_not_for_release/custodian_report.json").read_text(encoding="utf-8")
+    )
     assert custodian["preconditioner"]["external_data"]["path"].endswith("public_xrays.npz")
     assert len(pre["external_data"]["sha256"]) == 64
     assert pre["probe_source"]["overlap_with_private_train"] == 0
@@ -377,7 +384,7 @@ def test_patient_units_end_to_end(tmp_path):
     """A unit-id CSV makes the patient the unit of the run, its delta and its report."""
     csv = tmp_path / "adrenal_patients.csv"
     rows = [f"{i},patient_{i // 2}" for i in range(1188)]  # two glands per patient
-    csv.write_text("index,unit_id\n" + "\n".join(rows) + "\n")
+    csv.write_text("index,unit_id\n" + "\n".join(rows) + "\n", encoding="utf-8")
     cfg = _config(
         tmp_path,
         method="dp-sgd",
@@ -390,7 +397,9 @@ def test_patient_units_end_to_end(tmp_path):
     assert rep["data"]["privacy_unit"] == "patient (unit ids from adrenal_patients.csv)"
     assert rep["data"]["num_train_units"] == 24 and rep["data"]["max_samples_per_unit"] is None
     assert "units" not in rep["data"] and rep["data"]["splits"]["train"] == 24  # patients
-    private = json.loads((out / "private_not_for_release" / "custodian_report.json").read_text())
+    private = json.loads(
+        (out / "private_not_for_release" / "custodian_report.json").read_text(encoding="utf-8")
+    )
     assert private["data"]["units"]["images_per_unit"]["max"] == 2
     assert private["data"]["units"]["train_images"] == 48
     assert rep["privacy"]["sample_rate"] == pytest.approx(1 / 3)  # 8 of 24 patients
@@ -438,8 +447,10 @@ def test_version_matches_the_package_metadata(capsys):
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"dpkfc-med {version('dpkfc_med')}"
     root = Path(__file__).resolve().parents[2]
-    assert "Apache License" in (root / "LICENSE").read_text()[:200]
-    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
+    assert "Apache License" in (root / "LICENSE").read_text(encoding="utf-8")[:200]
+    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_set_override_errors_name_the_override_not_the_file(tmp_path, capsys):
@@ -452,7 +463,10 @@ def test_set_override_errors_name_the_override_not_the_file(tmp_path, capsys):
     assert "--set training.lr=abc: must be a number" in err
     assert "pneumoniamnist_cnn_2d_eps1.yaml" not in err
     bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.read_text().replace("optimizer: sgd", "optimiser: sgd"))
+    bad.write_text(
+        cfg.read_text(encoding="utf-8").replace("optimizer: sgd", "optimiser: sgd"),
+        encoding="utf-8",
+    )
     assert main(["train", str(bad), "--out", str(out), "--set", "training.lrr=1"]) == 2
     err = capsys.readouterr().err
     assert f"{bad} and its --set overrides" in err
@@ -471,7 +485,7 @@ def test_train_with_another_preconditioner_family(family, tmp_path):
     assert {r["family"] for r in pre["coverage"]} == {family}
     assert report["privacy"]["epsilon"]["prv"] <= 4.0
     assert pre["uses_private_data"] is False
-    text = (run / "privacy_report.md").read_text()
+    text = (run / "privacy_report.md").read_text(encoding="utf-8")
     assert f"a {family.capitalize()} preconditioner" in text or f"a {family} preconditioner" in text
 
 
@@ -483,7 +497,7 @@ def test_train_in_bf16_reports_its_precision(tmp_path):
     report = _report(run)
     assert report["run"]["precision"] == "bf16"
     assert report["privacy"]["epsilon"]["prv"] <= 4.0
-    text = (run / "privacy_report.md").read_text()
+    text = (run / "privacy_report.md").read_text(encoding="utf-8")
     assert "bfloat16 forward/backward; per-sample gradients" in text
 
 

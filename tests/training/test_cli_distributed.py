@@ -34,7 +34,9 @@ def test_two_processes_continue_one_run_with_one_ledger(tmp_path, capsys):
         assert p[key] == before[key], key
     assert p["epsilon"]["rdp"] <= 4.0 and p["epsilon"]["rdp"] > before["epsilon"]["rdp"]
     assert [x.name for x in out.rglob("ledger*.json")] == ["ledger.json"]
-    assert "one noise draw per step on rank 0" in (out / "privacy_report.md").read_text()
+    assert "one noise draw per step on rank 0" in (out / "privacy_report.md").read_text(
+        encoding="utf-8"
+    )
     assert torch.load(out / "model.pt", map_location="cpu", weights_only=False)["model"]
     # the ranks' user errors come back as one clear message: a complete run is final
     assert main(["train", str(cfg), "--out", str(out), "--nproc", "2", "--resume"]) == 2

@@ -118,7 +118,9 @@ def test_per_case_csv_gives_the_reported_figures_and_the_saved_maps_its_dice(run
         want = float(ok.mean()) if ok.size else math.nan
         assert _close(want, out["hd95_per_class"][n], 1e-9)
         assert out["hd95_missed_cases"][n] == int(np.isinf(col).sum())
-    figures = dict(line.split(",") for line in (folder / "metrics.csv").read_text().split())
+    figures = dict(
+        line.split(",") for line in (folder / "metrics.csv").read_text(encoding="utf-8").split()
+    )
     assert float(figures["mean_dice"]) == out["mean_dice"]
     # the saved label maps lie on the input images and re-score to the rows' Dice
     for r in rows:
@@ -176,7 +178,9 @@ def test_a_bundle_run_evaluates_new_cases_per_case_with_label_maps(bundle_run, t
     # MONAI's MeanDice: the mean over cases of each case's mean over classes (the CSV's mean)
     means = [float(r["mean"]) for r in rows]
     assert out["all_mean_dice"] == pytest.approx(float(np.nanmean(means)), abs=1e-6)
-    figures = dict(line.split(",") for line in (folder / "metrics.csv").read_text().split())
+    figures = dict(
+        line.split(",") for line in (folder / "metrics.csv").read_text(encoding="utf-8").split()
+    )
     assert float(figures["all_mean_dice"]) == out["all_mean_dice"]
     for r in rows:
         image = Path(r["filename"])

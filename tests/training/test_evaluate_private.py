@@ -52,7 +52,7 @@ def test_split_train_is_flagged_not_dp_and_written_for_the_custodian(cls_run, ca
         assert main(["evaluate", str(run), "--split", "train"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["not_dp"] is True and "NOT differentially private" in printed["warning"]
-    saved = json.loads((run / EVALS / "pneumoniamnist_train.json").read_text())
+    saved = json.loads((run / EVALS / "pneumoniamnist_train.json").read_text(encoding="utf-8"))
     assert saved["not_dp"] is True and saved["warning"] == printed["warning"]
     assert saved["overlap_with_training"]["shared"] == 40 == saved["n"]
     assert not (run / "evaluations").exists()
@@ -87,7 +87,9 @@ def test_other_file_holding_training_images_is_flagged(cls_run, tmp_path):
     assert "5 of the 15 evaluated images are in the run's private training split" in str(
         record[0].message
     )
-    assert json.loads((run / EVALS / "site_b_val.json").read_text())["not_dp"] is True
+    assert (
+        json.loads((run / EVALS / "site_b_val.json").read_text(encoding="utf-8"))["not_dp"] is True
+    )
 
 
 # ------------------------------------------------------------------------- segmentation
@@ -112,7 +114,9 @@ def test_segmentation_cases_from_the_training_split_are_flagged(tmp_path, capsys
     sets = [a for s in TINY for a in ("--set", s)]
     assert main(["train", str(SEG_CONFIG), "--out", str(run), *sets]) == 0
     split_file = run / "private_not_for_release" / "split.json"
-    split = json.loads((split_file if split_file.is_file() else run / "split.json").read_text())
+    split = json.loads(
+        (split_file if split_file.is_file() else run / "split.json").read_text(encoding="utf-8")
+    )
     other = tmp_path / "site_c"
     for sub in ("imagesTr", "labelsTr"):
         (other / sub).mkdir(parents=True)

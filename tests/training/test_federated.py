@@ -90,7 +90,7 @@ def federated_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("fed")
     hooks = tmp_path / "hooks"
     hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(RECORDER)
+    (hooks / "sitecustomize.py").write_text(RECORDER, encoding="utf-8")
     log = tmp_path / "data_log.jsonl"
     log.touch()
     cfg = _config(
@@ -116,7 +116,7 @@ def federated_run(tmp_path_factory):
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = main(argv)
     assert code == 0, stderr.getvalue()
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    calls = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
     return out, cfg, stdout.getvalue(), calls
 
 
@@ -125,7 +125,7 @@ def test_two_sites_two_rounds(federated_run, capsys):
     the sites hold disjoint halves of the training split; the server keeps the FedAvg model."""
     out, cfg, stdout, _ = federated_run
     assert "site 0: epsilon" in stdout
-    rec = json.loads((out / "server" / "federated.json").read_text())
+    rec = json.loads((out / "server" / "federated.json").read_text(encoding="utf-8"))
     assert [h["round"] for h in rec["history"]] == [1, 2]
     assert (out / "server" / "model.pt").is_file()
     for h in rec["history"]:
@@ -134,7 +134,7 @@ def test_two_sites_two_rounds(federated_run, capsys):
     units = []
     for k in (0, 1):
         site = out / f"site_{k}"
-        rep = json.loads((site / "privacy_report.json").read_text())
+        rep = json.loads((site / "privacy_report.json").read_text(encoding="utf-8"))
         p = rep["privacy"]
         assert rep["status"] == "complete" and rep["data"]["shard"]["site"] == k
         assert p["steps"] == p["planned_steps"] == 2 * p["steps_per_epoch"]  # both rounds
@@ -180,7 +180,7 @@ def test_test_metrics_stay_with_each_site_custodian(federated_run):
     un-noised figures (AUROC, per-class sensitivity, confusion matrix) appear only under that
     site's ``private_not_for_release/``; the server's files hold no metric (audit: they did)."""
     out, _, _, _ = federated_run
-    rec = json.loads((out / "server" / "federated.json").read_text())
+    rec = json.loads((out / "server" / "federated.json").read_text(encoding="utf-8"))
     assert "test" not in rec
     assert rec["site_evaluations"] == [f"site_{k}/{SITE_EVALUATION}" for k in (0, 1)]
     texts = _shareable_texts(out)
@@ -190,7 +190,7 @@ def test_test_metrics_stay_with_each_site_custodian(federated_run):
         for word in ("auroc", "sensitivity", "confusion", "accuracy", "dice"):
             assert word not in text.lower(), (f, word)
     for k in (0, 1):
-        ev = json.loads((out / f"site_{k}" / SITE_EVALUATION).read_text())
+        ev = json.loads((out / f"site_{k}" / SITE_EVALUATION).read_text(encoding="utf-8"))
         assert ev["site"] == k and ev["split"] == "test" and ev["not_dp"] is True
         m = ev["metrics"]
         assert {"auroc", "per_class", "confusion_matrix"} <= set(m)

@@ -306,7 +306,7 @@ def test_cli_fine_tunes_a_first_runs_model_and_reports_the_weights(tmp_path):
         for key, value in extra.items():
             cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and key in cfg else value
         path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
+        path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
         return path
 
     # the first run stands for a public release: another file (weights trained on this run's
@@ -325,7 +325,7 @@ def test_cli_fine_tunes_a_first_runs_model_and_reports_the_weights(tmp_path):
         probes={"num_probes": 16, "refresh_every": 2},
     )
     assert main(["train", str(cfg), "--out", str(second)]) == 0
-    text = (second / "privacy_report.json").read_text()
+    text = (second / "privacy_report.json").read_text(encoding="utf-8")
     report = json.loads(text)
     check_report(report)
     model = report["model"]
@@ -337,7 +337,9 @@ def test_cli_fine_tunes_a_first_runs_model_and_reports_the_weights(tmp_path):
     item = [s for s in report["privacy"]["not_covered"] if digest in s]
     assert item and "fine-tuning only" in item[0] and "public" in item[0]
     assert str(weights) not in text and str(first) not in text  # paths: custodian only
-    custodian = json.loads((second / "private_not_for_release/custodian_report.json").read_text())
+    custodian = json.loads(
+        (second / "private_not_for_release/custodian_report.json").read_text(encoding="utf-8")
+    )
     assert str(weights) in json.dumps(custodian)
     # the released model is a plain network: evaluation loads it
     assert main(["evaluate", str(second)]) == 0

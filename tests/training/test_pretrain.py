@@ -98,7 +98,7 @@ def test_pretraining_is_recorded_in_the_report_and_validation_runs_every_k_epoch
     extra = ["data.max_train=5", "training.epochs=3", "training.eval_every=2"]
     sets = [a for s in TINY + extra for a in ("--set", s)]
     assert main(["train", str(CONFIG), "--out", str(run), "--method", "dp-sgd", *sets]) == 0
-    report = json.loads((run / "privacy_report.json").read_text())
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     record = report["training"]["pretraining"]
     assert (
         record["steps"] == 3
@@ -107,7 +107,9 @@ def test_pretraining_is_recorded_in_the_report_and_validation_runs_every_k_epoch
     )
     assert "no privacy cost" in record["data"]
     assert 0 < report["privacy"]["epsilon"]["prv"] <= 8.0
-    custodian = json.loads((run / "private_not_for_release" / "custodian_report.json").read_text())
+    custodian = json.loads(
+        (run / "private_not_for_release" / "custodian_report.json").read_text(encoding="utf-8")
+    )
     assert custodian["history"]["val_epoch"] == [2, 3]  # every 2nd epoch and the last
 
 
@@ -128,7 +130,7 @@ def test_shipped_hippocampus_configs_are_one_recipe_at_three_epsilons():
         path = ROOT / "configs" / f"hippocampus_unet_3d_eps{eps}.yaml"
         cfg = load_config(path)  # validates
         assert cfg.privacy.target_epsilon == float(eps) and cfg.name == path.stem
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         raw.pop("name"), raw["training"].pop("lr"), raw["privacy"].pop("target_epsilon")
         rest[eps] = json.loads(json.dumps(raw))
         raw.pop("method")

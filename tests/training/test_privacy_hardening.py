@@ -43,7 +43,7 @@ def test_resume_with_more_epochs_replans_within_the_target(tmp_path):
     cfg_path = _config(tmp_path, method="dp-sgd", training={"epochs": 3})
     run = tmp_path / "r"
     train(load_config(cfg_path, [f"output.dir={run}"]), stop_after_epochs=1)
-    original = (run / "config.yaml").read_text()
+    original = (run / "config.yaml").read_text(encoding="utf-8")
     more = load_config(cfg_path, [f"output.dir={run}", "training.epochs=8"])
     result = train(more, resume=True)
     assert result.status == "complete"
@@ -54,11 +54,13 @@ def test_resume_with_more_epochs_replans_within_the_target(tmp_path):
     first, later = ledger.events[0], ledger.events[-1]
     assert first.steps == 3 and later.noise_multiplier > first.noise_multiplier
     # config.yaml is the config the run now follows; every session's config is appended
-    assert (run / "config.yaml").read_text() != original
-    assert yaml.safe_load((run / "config.yaml").read_text())["training"]["epochs"] == 8
-    sessions = list(yaml.safe_load_all((run / "config_history.yaml").read_text()))
+    assert (run / "config.yaml").read_text(encoding="utf-8") != original
+    assert (
+        yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["training"]["epochs"] == 8
+    )
+    sessions = list(yaml.safe_load_all((run / "config_history.yaml").read_text(encoding="utf-8")))
     assert [s["training"]["epochs"] for s in sessions] == [3, 8]
-    plans = json.loads((run / "plan.json").read_text())["plans"]
+    plans = json.loads((run / "plan.json").read_text(encoding="utf-8"))["plans"]
     assert [p["kind"] for p in plans] == ["start", "checkpoint"]
     assert plans[1]["changed_fields"] == ["training.epochs"]
     assert plans[1]["plan"]["spent_steps"] == 3  # the first session's epoch
@@ -100,7 +102,9 @@ def test_resume_after_a_hard_kill_before_the_first_checkpoint(tmp_path):
     assert ledger.steps == 2 + 9  # the spent steps, then a whole plan from the initial model
     assert ledger.events[0] == spent.events[0]
     assert ledger.epsilon("prv") <= 4.0 and ledger.epsilon("pld") <= 4.0
-    assert [p["kind"] for p in json.loads((run / "plan.json").read_text())["plans"]] == [
+    assert [
+        p["kind"] for p in json.loads((run / "plan.json").read_text(encoding="utf-8"))["plans"]
+    ] == [
         "start",
         "ledger",
     ]
@@ -162,7 +166,7 @@ def test_reproducible_noise_is_named_in_the_report_headline(tmp_path):
         "valid_dp_release": False,
         "note": "seeded from the published training.seed: replayable",
     }
-    md = (run / REPORT_FILES["markdown"]).read_text()
+    md = (run / REPORT_FILES["markdown"]).read_text(encoding="utf-8")
     assert md.split("\n\n")[1].startswith("> **NOT A VALID DP RELEASE:**")
     assert rep["privacy"]["guarantee"].startswith("NOT A VALID DP RELEASE")
     with pytest.raises(ConfigError, match="reproducible_noise=true contradicts"):
@@ -179,7 +183,7 @@ def test_shareable_part_holds_no_unnoised_private_statistic(tmp_path):
     counts = result.custodian["data"]["class_counts"]
     shareable = [run / REPORT_FILES[k] for k in ("json", "markdown", "html")]
     for path in shareable:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         assert data_sha not in text, path
         assert "confusion" not in text, path
         assert json.dumps(counts) not in text and json.dumps(counts, indent=2) not in text
@@ -191,7 +195,7 @@ def test_shareable_part_holds_no_unnoised_private_statistic(tmp_path):
         assert node == {} or node is None, dotted
     json_text = json.dumps(rep["history"])
     assert not any(v in json_text for v in losses)
-    private = json.loads((run / PRIVATE_DIR / "custodian_report.json").read_text())
+    private = json.loads((run / PRIVATE_DIR / "custodian_report.json").read_text(encoding="utf-8"))
     assert [f"{v:.6f}" for v in private["history"]["loss"] if v == v] == losses
     assert private["data"]["sha256"] and private["metrics"]["test"]
     listed = " ".join(rep["privacy"]["not_covered"])

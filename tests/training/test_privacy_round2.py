@@ -26,7 +26,9 @@ SECRET = "WARD7_DOE_JANE"  # a folder name that names a ward and a patient
 
 
 def _shareable_texts(run: Path) -> dict[str, str]:
-    texts = {k: (run / REPORT_FILES[k]).read_text() for k in ("json", "markdown", "html")}
+    texts = {
+        k: (run / REPORT_FILES[k]).read_text(encoding="utf-8") for k in ("json", "markdown", "html")
+    }
     texts["model.pt"] = repr(torch.load(run / "model.pt", weights_only=False))
     return texts
 
@@ -47,18 +49,20 @@ def test_shareable_files_hold_no_path_no_time_and_no_selected_epoch(tmp_path):
     saved = torch.load(run / "model.pt", weights_only=False)
     assert "selected_epoch" not in saved and "path" not in saved["config"]["data"]
     # the custodian keeps what was moved, in full
-    custodian = json.loads((run / "private_not_for_release/custodian_report.json").read_text())
+    custodian = json.loads(
+        (run / "private_not_for_release/custodian_report.json").read_text(encoding="utf-8")
+    )
     assert SECRET in custodian["data"]["path"] and SECRET in custodian["run"]["run_dir"]
     assert "T" in custodian["created"]  # the full timestamp
-    metrics = json.loads((run / "private_not_for_release/metrics.json").read_text())
+    metrics = json.loads((run / "private_not_for_release/metrics.json").read_text(encoding="utf-8"))
     assert "selected_epoch" in metrics
     # an exported bundle states the modality and source the config gives, never a folder name
     bundle = tmp_path / "bundle"
     assert main(["bundle", "export", str(run), str(bundle)]) == 0
-    meta = json.loads((bundle / "configs/metadata.json").read_text())
+    meta = json.loads((bundle / "configs/metadata.json").read_text(encoding="utf-8"))
     for path in bundle.rglob("*"):
         if path.suffix in (".json", ".md", ".yaml", ".html"):
-            assert SECRET not in path.read_text(), path
+            assert SECRET not in path.read_text(encoding="utf-8"), path
     assert meta["data_source"].startswith("not stated")
     assert meta["network_data_format"]["inputs"]["image"]["modality"].startswith("not stated")
     assert "optional_packages_version" in meta
@@ -72,7 +76,7 @@ def test_report_opens_with_one_verdict_and_the_looser_accountants_on_a_neutral_l
     eps = rep["privacy"]["epsilon"]
     assert eps["rdp"] > eps["prv"]  # a PRV-calibrated run: RDP is always the looser bound
     assert rep["privacy"]["headline_warnings"] == []
-    md = (run / REPORT_FILES["markdown"]).read_text()
+    md = (run / REPORT_FILES["markdown"]).read_text(encoding="utf-8")
     first = md.split("\n\n")[1]
     assert "> **Valid DP release: yes.** The released model" in first
     assert "PRV accountant, which planned this run" in first
@@ -92,11 +96,11 @@ def test_replayable_noise_claims_no_guarantee_anywhere(tmp_path):
     assert "differentially private" not in guarantee and "epsilon" not in guarantee.lower()
     bundle = tmp_path / "bundle"
     assert main(["bundle", "export", str(run), str(bundle)]) == 0
-    meta = json.loads((bundle / "configs/metadata.json").read_text())
+    meta = json.loads((bundle / "configs/metadata.json").read_text(encoding="utf-8"))
     for key in ("task", "description"):
         assert meta[key].startswith("NOT A VALID DP RELEASE"), key
         assert "trained with (epsilon" not in meta[key], key
-    readme = (bundle / "docs/README.md").read_text()
+    readme = (bundle / "docs/README.md").read_text(encoding="utf-8")
     assert readme.splitlines()[0].startswith("# NOT A VALID DP RELEASE")
 
 
@@ -109,7 +113,7 @@ def test_a_stopped_run_continues_as_it_was_with_its_own_config(tmp_path, capsys)
     # the printed command continues the run with its own stored config (4 epochs, not 2)
     assert main(["train", "--resume", "--out", str(run)]) == 0
     assert _ledger(run).steps == 12  # 4 epochs of 3 steps: the first plan
-    plans = json.loads((run / "plan.json").read_text())["plans"]
+    plans = json.loads((run / "plan.json").read_text(encoding="utf-8"))["plans"]
     assert [p["plan"]["spent_steps"] for p in plans] == [0, 2]
     assert plans[1]["plan"]["steps_remaining"] == 10
     assert "changes" not in capsys.readouterr().err

@@ -43,7 +43,7 @@ def _config(tmp_path: Path, out: Path, **training) -> Path:
         "output": {"dir": str(out)},
     }
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
 
 
@@ -110,7 +110,7 @@ def test_report_history_lists_exact_epsilon_at_the_stated_steps(run):
     assert len(set(history["epsilon"])) == len(history["epsilon"])
     assert history["step"] == [1, 2, 3, 4, 5, 6]
     assert history["epsilon_rdp"] == [_opacus("rdp", sigma, q, s, delta) for s in range(1, 7)]
-    md = (result.run_dir / "privacy_report.md").read_text()
+    md = (result.run_dir / "privacy_report.md").read_text(encoding="utf-8")
     assert history["epsilon_schedule"] in md
     assert "steps 1, 2, 4, 8, ... (the powers of two), the last step of every epoch" in md
     for s, value, rdp in zip(
@@ -129,8 +129,8 @@ def test_every_table_and_text_give_the_same_q_and_expected_batch(run):
     assert p["ledger"]["meta"]["expected_batch_size"] == 33
     assert p["batch_size"] == BATCH and p["steps_per_epoch"] == 3
     assert "expected_batch_size" not in result.report["training"]
-    md = (result.run_dir / "privacy_report.md").read_text()
-    page = (result.run_dir / "privacy_report.html").read_text()
+    md = (result.run_dir / "privacy_report.md").read_text(encoding="utf-8")
+    page = (result.run_dir / "privacy_report.html").read_text(encoding="utf-8")
     for text in (md, html.unescape(re.sub(r"<[^>]+>", " ", page))):
         expected = re.findall(r"expected[ _]batch[ _]size\W+(\d+)", text, flags=re.IGNORECASE)
         assert len(expected) >= 3 and set(expected) == {"33"}, expected
@@ -177,7 +177,7 @@ def test_read_only_output_directory_is_a_clear_error(tmp_path, capsys, monkeypat
 
 def test_output_path_under_a_file_is_a_clear_error_and_leaves_nothing(tmp_path, capsys):
     blocker = tmp_path / "not_a_folder"
-    blocker.write_text("a file")
+    blocker.write_text("a file", encoding="utf-8")
     out = blocker / "runs" / "run"
     cfg = _config(tmp_path, tmp_path / "unused", epochs=1)
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -185,7 +185,7 @@ def test_output_path_under_a_file_is_a_clear_error_and_leaves_nothing(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert f"output.dir: cannot write the run directory {out}: Not a directory" in err
-    assert blocker.read_text() == "a file"
+    assert blocker.read_text(encoding="utf-8") == "a file"
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
@@ -197,7 +197,7 @@ def test_a_run_refused_for_its_output_directory_spent_nothing(tmp_path, monkeypa
     real = loop.start_run_files
     monkeypatch.setattr(loop, "start_run_files", lambda *a: calls.append("start") or real(*a))
     blocker = tmp_path / "file"
-    blocker.write_text("")
+    blocker.write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match="output.dir: cannot write"):
         train(load_config(_config(tmp_path, blocker / "run", epochs=1)))
     assert calls == []
@@ -205,5 +205,5 @@ def test_a_run_refused_for_its_output_directory_spent_nothing(tmp_path, monkeypa
 
 def test_json_history_is_what_the_report_prints(run):
     result, _ = run
-    data = json.loads((result.run_dir / "privacy_report.json").read_text())
+    data = json.loads((result.run_dir / "privacy_report.json").read_text(encoding="utf-8"))
     assert data["history"]["epsilon"] == result.report["history"]["epsilon"]

@@ -51,16 +51,16 @@ def test_a_failure_after_noisy_steps_keeps_the_folder_and_its_ledger(tmp_path):
     )
     with pytest.raises(Boom):
         train(cfg, instrument=_fail_after_two_steps)
-    assert json.loads((out / "ledger.json").read_text())["steps"] >= 2
+    assert json.loads((out / "ledger.json").read_text(encoding="utf-8"))["steps"] >= 2
 
 
 def test_a_failure_in_an_existing_folder_leaves_it(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "notes.txt").write_text("the user's")
+    (out / "notes.txt").write_text("the user's", encoding="utf-8")
     cfg = load_config(
         _config(tmp_path, method="dp-sgd", training={"epochs": 1}), [f"output.dir={out}"]
     )
     with pytest.raises(Boom):
         train(cfg, instrument=_fail_before_first_step)
-    assert (out / "notes.txt").read_text() == "the user's"
+    assert (out / "notes.txt").read_text(encoding="utf-8") == "the user's"

@@ -69,8 +69,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("method", ["dp-sgd", "dp-kfc"])
 def test_cli_train_writes_report_split_overlays_and_dice(runs, method):
     run = runs[method]
-    assert json.loads((run / "run.json").read_text())["status"] == "complete"
-    report = json.loads((run / "privacy_report.json").read_text())
+    assert json.loads((run / "run.json").read_text(encoding="utf-8"))["status"] == "complete"
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     assert report["data"]["privacy_unit"] == "patient/volume"
     assert report["data"]["max_samples_per_unit"] == 2
     assert report["data"]["num_train_units"] == 6
@@ -81,9 +81,9 @@ def test_cli_train_writes_report_split_overlays_and_dice(runs, method):
         assert src["task"] == "segmentation" and src["preset"] == "mri"
         assert src["intensity"]["mode"] == "zscore" and src["spatial_shape"] == [16, 16, 16]
     private = run / "private_not_for_release"  # case ids and patients' images stay here
-    split = json.loads((private / "split.json").read_text())
+    split = json.loads((private / "split.json").read_text(encoding="utf-8"))
     assert {k: len(v) for k, v in split.items()} == {"train": 6, "val": 2, "test": 2}
-    custodian = json.loads((private / "custodian_report.json").read_text())
+    custodian = json.loads((private / "custodian_report.json").read_text(encoding="utf-8"))
     assert split == custodian["data"]["split"] and "split" not in report["data"]
     assert not set(split["train"]) & (set(split["val"]) | set(split["test"]))
     overlays = sorted((private / "overlays").glob("*.png"))
@@ -91,10 +91,11 @@ def test_cli_train_writes_report_split_overlays_and_dice(runs, method):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in overlays)
     assert not (run / "overlays").exists() and not (run / "split.json").exists()
     shareable = "".join(
-        (run / f"privacy_report.{ext}").read_text() for ext in ("json", "md", "html")
+        (run / f"privacy_report.{ext}").read_text(encoding="utf-8")
+        for ext in ("json", "md", "html")
     )
     assert not any(case in shareable for ids in split.values() for case in ids)
-    metrics = json.loads((private / "metrics.json").read_text())
+    metrics = json.loads((private / "metrics.json").read_text(encoding="utf-8"))
     for part in ("val", "test"):
         m = metrics[part]
         assert 0.0 <= m["mean_dice"] <= 1.0 and m["n"] == 2
@@ -116,7 +117,7 @@ def test_cli_evaluate_on_another_folder_uses_all_its_cases(runs, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "all its cases" in printed
     evals = runs["dp-sgd"] / "private_not_for_release" / "evaluations"
-    saved = json.loads((evals / "other_site_all.json").read_text())
+    saved = json.loads((evals / "other_site_all.json").read_text(encoding="utf-8"))
     assert saved["split"] == "all" and saved["n"] == 3
     assert 0.0 <= saved["mean_dice"] <= 1.0
     assert set(saved["dice_per_class"]) == {"class_1", "class_2"}  # no dataset.json: unnamed
@@ -132,7 +133,7 @@ def test_weight_average_is_released_and_lr_follows_the_cosine_plan(tmp_path):
         ["train", str(CONFIG), "--out", str(run), "--method", "dp-sgd", *_sets(TINY + extra)]
     )
     assert code == 0
-    report = json.loads((run / "privacy_report.json").read_text())
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     assert report["training"]["weight_average"]["decay"] == 0.9
     assert report["training"]["lr_schedule"] == "cosine"
     ck = torch.load(run / "checkpoint.pt", weights_only=False)
@@ -315,7 +316,8 @@ def _folder(root: Path, problem: str) -> Path:
                     else []
                 ),
             }
-        )
+        ),
+        encoding="utf-8",
     )
     return root
 

@@ -93,17 +93,17 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("kind", ["png", "nifti", "slices"])
 def test_cli_trains_2d_data_end_to_end(runs, kind):
     run = runs[kind]
-    assert json.loads((run / "run.json").read_text())["status"] == "complete"
-    report = json.loads((run / "privacy_report.json").read_text())
+    assert json.loads((run / "run.json").read_text(encoding="utf-8"))["status"] == "complete"
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     data = report["data"]
     assert report["task"]["spatial_dims"] == 2 and data["spatial_dims"] == 2
     assert 0 < report["privacy"]["epsilon"]["prv"] <= 8.0
     private = run / "private_not_for_release"
-    metrics = json.loads((private / "metrics.json").read_text())["test"]
+    metrics = json.loads((private / "metrics.json").read_text(encoding="utf-8"))["test"]
     assert 0.0 <= metrics["mean_dice"] <= 1.0 and metrics["n"] == data["splits"]["test"] > 0
     assert set(metrics["hd95_per_class"]) == set(metrics["dice_per_class"])
     overlays = sorted((private / "overlays").glob("*.png"))
-    split = json.loads((private / "split.json").read_text())
+    split = json.loads((private / "split.json").read_text(encoding="utf-8"))
     assert [p.stem for p in overlays] == split["val"]
     if kind == "slices":
         assert data["privacy_unit"] == "patient/volume (all of its slices)"
@@ -121,7 +121,7 @@ def test_cli_trains_2d_data_end_to_end(runs, kind):
 def test_cli_evaluate_reports_slices_per_volume(runs):
     assert main(["evaluate", str(runs["slices"])]) == 0
     evals = runs["slices"] / "private_not_for_release" / "evaluations"
-    result = json.loads((evals / "msd_hippocampus_test.json").read_text())
+    result = json.loads((evals / "msd_hippocampus_test.json").read_text(encoding="utf-8"))
     assert result["n"] >= 2 and result["per"].startswith("volume") and not result["not_dp"]
 
 

@@ -33,7 +33,7 @@ def _brats_like(root: Path) -> list[str]:
     labels = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
     modality = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
     (root / "dataset.json").write_text(
-        json.dumps({"labels": labels, "modality": modality, "training": training})
+        json.dumps({"labels": labels, "modality": modality, "training": training}), encoding="utf-8"
     )
     return [
         f"data.path={root}",
@@ -52,7 +52,7 @@ def _public_release_like(root: Path) -> list[str]:
     from dpkfc_med.bundle import build_network
 
     path = CONFIGS[0].parent / "hippocampus_unet_3d_public_init_eps1.yaml"
-    model = yaml.safe_load(path.read_text())["model"]
+    model = yaml.safe_load(path.read_text(encoding="utf-8"))["model"]
     net = build_network("unet", 3, 1, 2, [32, 48, 32], model["norm"], model["kwargs"])
     root.mkdir(parents=True)
     torch.save({"model": net.state_dict()}, root / "public.pt")
@@ -79,7 +79,7 @@ def _two_modality_like(root: Path) -> list[str]:
                          "label": f"./labelsTr/h_{i:03d}.nii.gz"})  # fmt: skip
     index = {"modality": {"0": "MRI", "1": "edges"}, "training": training,
              "labels": {"0": "background", "1": "anterior", "2": "posterior"}}  # fmt: skip
-    (root / "dataset.json").write_text(json.dumps(index))
+    (root / "dataset.json").write_text(json.dumps(index), encoding="utf-8")
     return [f"data.path={root}", "data.patch_size=[8,8,8]"]
 
 
@@ -97,7 +97,7 @@ def test_the_configs_folder_is_found():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_config_trains_at_toy_size(path, tmp_path):
-    raw = yaml.safe_load(path.read_text())
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     seg = raw.get("data", {}).get("task") == "segmentation"
     toy = [
         "training.epochs=1",

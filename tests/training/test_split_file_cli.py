@@ -38,15 +38,15 @@ def test_three_case_folder_trains_on_its_split_file(tmp_path):
     args = ["train", str(CONFIG), "--data", str(data), "--out", str(run), "--method", "dp-sgd"]
     assert main([*args, *_sets(sets)]) == 0
     private = run / "private_not_for_release"
-    assert json.loads((private / "split.json").read_text()) == split
-    report = json.loads((run / "privacy_report.json").read_text())
+    assert json.loads((private / "split.json").read_text(encoding="utf-8")) == split
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     assert report["data"]["num_train_units"] == 1
-    custodian = json.loads((private / "custodian_report.json").read_text())
+    custodian = json.loads((private / "custodian_report.json").read_text(encoding="utf-8"))
     record = {**report["data"], **custodian["data"]}
     assert record["left_out"] == 1  # hippocampus_007, not listed
     assert "listed in data.split_file" in record["split_rule"]
     assert "my_split" not in json.dumps(report)  # the file's path stays with the custodian
-    metrics = json.loads((private / "metrics.json").read_text())
+    metrics = json.loads((private / "metrics.json").read_text(encoding="utf-8"))
     assert 0.0 <= metrics["test"]["mean_dice"] <= 1.0
 
 
@@ -83,5 +83,5 @@ def test_2d_config_on_2d_images_one_message_then_set_null_trains(tmp_path, capsy
     assert "cases do not fit the run" in lines[0] and "--set data.slices=null" in lines[0]
     assert not run.exists()
     assert main([*base, *_sets([*sets, "data.slices=null"])]) == 0
-    report = json.loads((run / "privacy_report.json").read_text())
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     assert report["data"]["spatial_dims"] == 2 and "slices" not in report["data"]

@@ -105,7 +105,7 @@ def test_tuning_releases_the_best_trial_and_survives_a_kill(tmp_path, monkeypatc
     count = TrialCount.parse("poisson:2")
     with pytest.raises(KeyboardInterrupt):
         run_tuning(cfg, target_epsilon=4.0, grid=grid, trials=count, out=out)
-    ledger = json.loads((out / TUNING_LEDGER).read_text())
+    ledger = json.loads((out / TUNING_LEDGER).read_text(encoding="utf-8"))
     # the whole procedure counts as spent from the moment K was drawn
     assert ledger["count"] == 2 and 3.9 < ledger["epsilon_spent"] <= 4.0
     first_score = ledger["trials"][0]["score"]
@@ -121,21 +121,21 @@ def test_tuning_releases_the_best_trial_and_survives_a_kill(tmp_path, monkeypatc
     released = torch.load(out / "model.pt", weights_only=False)["model"]
     trial_model = torch.load(trial_dir / "model.pt", weights_only=False)["model"]
     assert all(torch.equal(released[k], trial_model[k]) for k in released)
-    trial_report = json.loads((trial_dir / "privacy_report.json").read_text())
+    trial_report = json.loads((trial_dir / "privacy_report.json").read_text(encoding="utf-8"))
     assert trial_report["training"]["select_epoch"] == "last"
     assert trial_report["privacy"]["noise_multiplier"] == pytest.approx(
         record["plan"]["noise_multiplier"]
     )
     assert "released epoch" not in " ".join(trial_report["privacy"]["not_covered"])
-    report = json.loads((out / "tuning_report.json").read_text())
+    report = json.loads((out / "tuning_report.json").read_text(encoding="utf-8"))
     assert report["epsilon"] <= 4.0 and report["released"]["params"] == best["params"]
-    shared = (out / "tuning_report.md").read_text()
+    shared = (out / "tuning_report.md").read_text(encoding="utf-8")
     assert "training.lr in [0.05, 0.1]" in shared  # the grid as typed, not as strings
     other = [t for t in record["trials"] if t["index"] != best["index"]][0]
     assert f"{other['score']:.3f}" not in shared  # other trials' scores stay with the custodian
     for path in out.iterdir():  # nothing outside the custodian folder holds another's score
         if path.is_file() and path.suffix in (".json", ".md"):
-            assert repr(other["score"])[:12] not in path.read_text(), path
+            assert repr(other["score"])[:12] not in path.read_text(encoding="utf-8"), path
 
 
 def test_tune_cli_needs_the_total_epsilon(tmp_path, capsys):
