@@ -63,6 +63,7 @@ DESCRIPTIONS = {
     "cost_cpu_family_diagonal": "DP-KFC with the diagonal family (`preconditioner.family: diagonal`) against Opacus' two modes, on the three cost models.",
     "cost_cpu_brats": "MONAI UNet 3D on BraTS-size inputs (4 channels, 4 classes, 96^3 and 128^3 patches, batch 2, one CPU thread): step time and peak memory against Opacus.",
     "cost_cpu_quick": "The quick mode (small batches and inputs) used as a smoke test.",
+    "cost_cpu_bundle": "A Model Zoo bundle trained by MONAI alone against the same bundle through the private engine (non-private, DP-SGD, DP-KFC): time per crop, 2 CPU cores.",
 }
 
 INTRO = """\
