@@ -17,31 +17,21 @@ import numpy as np
 import pytest
 
 from dpkfc_med.cli import main
+from tests.bundle.conftest import SEG_TINY
 from tests.conftest import SHARED_DATA
+from tests.training.test_segmentation import _sets
 
 HIPPO = Path(SHARED_DATA) / "msd_hippocampus"
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hippocampus_unet_3d_eps8.yaml"
 BUNDLE = Path(__file__).resolve().parents[1] / "bundle" / "zoo_bundle"
+# the bundle tests' tiny segmentation run, smaller still (later settings win)
 TINY = [
+    *SEG_TINY,
     "data.max_train=4",
     "data.max_eval=2",
-    "data.patch_size=[16,16,16]",
     "data.patches_per_unit=1",
-    "training.epochs=1",
     "training.batch_size=2",
-    "training.eval_batch_size=16",
-    "training.progress=false",
-    "model.kwargs.channels=[4,8]",
-    "model.kwargs.strides=[2]",
-    "probes.num_probes=4",
-    "preconditioner.chunk_size=4",
-    "preconditioner.calibration_samples=2",
-    "pretrain.steps=0",
 ]
-
-
-def _sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
 
 
 def _nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
