@@ -519,3 +519,25 @@ def _is_number(v: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def item_image_digest(item: Any) -> str:
+    """SHA-256 of a data-list item's image: of its file(s) by content, else of its array.
+
+    A case copied or linked elsewhere has the digest of its source, so new cases are checked
+    against a training list by content, not by path.
+    """
+    import hashlib
+
+    from dpkfc_med.data.paths import sha256_file
+
+    image = item.get("image") if isinstance(item, dict) else item
+    if names_files(image):
+        files = image if isinstance(image, (list, tuple)) else [image]
+        digests = [sha256_file(str(f)) for f in files]
+        return (
+            digests[0]
+            if len(digests) == 1
+            else hashlib.sha256(" ".join(digests).encode()).hexdigest()
+        )
+    return data_digest(image)
