@@ -23,7 +23,7 @@ import yaml
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.methods import Method
-from dpkfc_med.training.config_checks import value_problems
+from dpkfc_med.training.config_checks import attribute_overrides, value_problems
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -579,24 +579,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     try:
         return config_from_dict(data, str(p))
     except ConfigError as err:
-        raise _name_overrides(err, overrides or [], str(p)) from None
-
-
-def _name_overrides(err: ConfigError, overrides: list[str], path: str) -> ConfigError:
-    """Attribute problems of overridden fields to their ``--set``, not to the YAML file."""
-    keys = {item.split("=", 1)[0].strip(): item for item in overrides if "=" in item}
-    problems, from_file = [], False
-    for problem in err.problems:
-        field = problem.split("=", 1)[0].split(":", 1)[0].strip()
-        item = keys.get(field)
-        if item is None:
-            from_file = True
-            problems.append(problem)
-        else:
-            problems.append(f"--set {item}: {problem.split(': ', 1)[-1]}")
-    source = (
-        f"{path} and its --set overrides"
-        if from_file and keys
-        else (path if from_file else "the --set overrides")
-    )
-    return ConfigError(problems, source)
+        raise ConfigError(*attribute_overrides(err.problems, overrides or [], str(p))) from None

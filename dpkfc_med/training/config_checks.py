@@ -24,7 +24,7 @@ from dpkfc_med.probes.sources import NoiseKind, TargetRule
 from dpkfc_med.training.precision import Precision
 from dpkfc_med.utils import did_you_mean
 
-__all__ = ["CHOICES", "POSITIVE", "flatten", "value_problems"]
+__all__ = ["CHOICES", "POSITIVE", "attribute_overrides", "flatten", "value_problems"]
 
 
 CHOICES: dict[str, list[str]] = {
@@ -262,3 +262,26 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[path] = v
     return out
+
+
+def attribute_overrides(
+    problems: list[str], overrides: list[str], path: str
+) -> tuple[list[str], str]:
+    """Problems of overridden fields attributed to their ``--set``, not to the YAML file.
+
+    Returns:
+        The problems (those of an overridden field as ``--set KEY=VALUE: ...``) and their
+        source in words.
+    """
+    keys = {item.split("=", 1)[0].strip(): item for item in overrides if "=" in item}
+    named, from_file = [], False
+    for problem in problems:
+        item = keys.get(problem.split("=", 1)[0].split(":", 1)[0].strip())
+        if item is None:
+            from_file = True
+            named.append(problem)
+        else:
+            named.append(f"--set {item}: {problem.split(': ', 1)[-1]}")
+    if from_file:
+        return named, f"{path} and its --set overrides" if keys else path
+    return named, "the --set overrides"

@@ -55,6 +55,7 @@ __all__ = [
     "setup_logging",
     "spent_text",
     "start_run_files",
+    "stopped_message",
     "stored_plans",
 ]
 
@@ -287,6 +288,24 @@ def discard_run_dir(run_dir: Path) -> None:
             log.removeHandler(h)
             h.close()
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def stopped_message(out: Path, cfg: RunConfig, trainer: Any, how: str) -> str:
+    """What a stopped run spent and how to continue it (the console's last words)."""
+    engine = trainer.privacy_engine if trainer is not None else None
+    if engine is None or engine.ledger is None:
+        return (
+            f"{how}: the non-private run in {out} is marked incomplete; continue it with "
+            f"`dpkfc-med train --resume --out {out}`"
+        )
+    return (
+        f"{how}: {plural('noisy step', engine.ledger.steps)} spent, epsilon "
+        f"{format_epsilon(engine.ledger.epsilon())} of the target "
+        f"{cfg.privacy.target_epsilon:g} (PRV; {out / LEDGER}). The run is marked incomplete "
+        f"and keeps its budget: continue it as it was with `dpkfc-med train --resume --out "
+        f"{out}` (its own stored configuration). Starting it again elsewhere spends a new budget "
+        "on the same data."
+    )
 
 
 def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening) -> None:

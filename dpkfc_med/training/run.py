@@ -56,9 +56,7 @@ from dpkfc_med.models.finetune import finetune_report, released_state_dict
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.report.custodian import PRIVATE_DIR
-from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.record import Mechanism, RunRecord
-from dpkfc_med.report.render import plural
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.opening import (
     CHECKPOINT,
@@ -73,6 +71,7 @@ from dpkfc_med.training.opening import (
     open_run,
     setup_logging,
     start_run_files,
+    stopped_message,
     stored_plans,
 )
 from dpkfc_med.training.plan import PlanError, describe_plan
@@ -250,7 +249,9 @@ def train(
     except KeyboardInterrupt:
         if run is None:
             raise
-        raise RunInterrupted(_stopped_message(run, "interrupted")) from None
+        raise RunInterrupted(
+            stopped_message(run.run_dir, run.cfg, run.trainer, "interrupted")
+        ) from None
     except Exception as err:  # incl. BudgetExhaustedError: the report says what was spent
         began = run.trainer.state.iteration if run is not None and run.trainer is not None else 0
         if fresh and nothing_spent(run_dir, began):
@@ -264,7 +265,10 @@ def train(
             else:  # Python 3.10
                 print(note, file=sys.stderr)
         elif run is not None:
-            print(_stopped_message(run, "stopped by an error"), file=sys.stderr)
+            print(
+                stopped_message(run.run_dir, run.cfg, run.trainer, "stopped by an error"),
+                file=sys.stderr,
+            )
         raise
     return reporter.result
 
@@ -436,25 +440,6 @@ def _make_private(
         phi = optimizer.param_groups[0]["noise_variance"]
         log.info("DP-AdamBC: noise variance (sigma C / B)^2 = %.3g subtracted", phi)
     return engine, network, popt, private_loader
-
-
-def _stopped_message(run: _Run, how: str) -> str:
-    out = run.run_dir
-    engine = run.trainer.privacy_engine if run.trainer is not None else None
-    if engine is None or engine.ledger is None:
-        return (
-            f"{how}: the non-private run in {out} is marked incomplete; continue it with "
-            f"`dpkfc-med train --resume --out {out}`"
-        )
-    eps = engine.ledger.epsilon()
-    return (
-        f"{how}: {plural('noisy step', engine.ledger.steps)} spent, epsilon "
-        f"{format_epsilon(eps)} of the "
-        f"target {run.cfg.privacy.target_epsilon:g} (PRV; {out / LEDGER}). The run is marked "
-        f"incomplete and keeps its budget: continue it as it was with `dpkfc-med train "
-        f"--resume --out {out}` (its own stored configuration). Starting it again elsewhere "
-        "spends a new budget on the same data."
-    )
 
 
 def _release(run: _Run) -> dict[str, Any]:
