@@ -33,7 +33,7 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def _load_results_doc():
-    from benchmarks import results_doc
+    from dpkfc_bench import results_doc
 
     return results_doc
 
@@ -101,7 +101,7 @@ def test_configuration_reference_lists_every_field():
 def test_results_page_is_fresh():
     module = _load_results_doc()
     assert (DOCS / "results.md").read_text(encoding="utf-8") == module.render(), (
-        "docs/results.md is stale: run python -m benchmarks results-doc"
+        "docs/results.md is stale: run python -m dpkfc_bench results-doc"
     )
 
 
@@ -115,15 +115,15 @@ def test_results_page_holds_every_results_file(tmp_path):
     page = module.render(tmp_path)
     assert "### accuracy_new_suite\n\nnew_suite (test split)." in page
     assert "#### new_suite (test split)" in page  # headings demoted below the file's heading
-    assert "![accuracy_new_suite](../benchmarks/results/accuracy_new_suite.png)" in page
+    assert "![accuracy_new_suite](../dpkfc_bench/results/accuracy_new_suite.png)" in page
     assert "## Other results" in page and "# Something else" in page
-    for results_md in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
+    for results_md in sorted((ROOT / "dpkfc_bench" / "results").glob("*.md")):
         if results_md.name == "README.md":  # the index of the results folder
             continue
         assert f"### {results_md.stem}\n" in (DOCS / "results.md").read_text(encoding="utf-8")
 
 
-BENCHMARK_READMES = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks/results/README.md"]
+BENCHMARK_READMES = [ROOT / "dpkfc_bench" / "README.md", ROOT / "dpkfc_bench/results/README.md"]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@
 compared with the probes' after private training. :func:`public_proxy` is the probe source of
 the ``dp-kfc-public`` method (images of a public archive), checked against the private training
 split. :func:`benchmark_accuracy` reads the accuracy benchmark's JSON
-(``benchmarks/results/accuracy_*.json``) into rows of test metrics per method and epsilon.
+(``dpkfc_bench/results/accuracy_*.json``) into rows of test metrics per method and epsilon.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def benchmark_accuracy(
     the learning rates that have evaluation runs, as the benchmark chooses it.
 
     Args:
-        path: An accuracy benchmark JSON (``benchmarks/results/accuracy_*.json``).
+        path: An accuracy benchmark JSON (``dpkfc_bench/results/accuracy_*.json``).
         methods: Method names of the benchmark, e.g. ``("dp-kfc-dense", "dp-kfc-white")``.
         metric: A test metric of the runs (``"auroc"``, ``"accuracy"``,
             ``"balanced_accuracy"``).

@@ -60,8 +60,8 @@ size)."""
 STEP_MACS_WEIGHT = 2.4
 """A training step's multiply-adds (convolutions, per-sample hooks) run this many times slower
 than the refresh's dense products. Fitted to the measured refresh / step time ratios of the
-cost benchmark's three models on 2 CPU threads (``python -m benchmarks cost``,
-``benchmarks/results/cost_cpu.md``)."""
+cost benchmark's three models on 2 CPU threads (``python -m dpkfc_bench cost``,
+``dpkfc_bench/results/cost_cpu.md``)."""
 
 AUTO_REFRESH_BASE = 20
 """Shortest period of ``refresh_every="auto"``; longer ones are this times a power of two."""

@@ -118,7 +118,7 @@ def ghost_chosen(
 
     ``auto`` weighs multiply-adds on a CPU. On a GPU it keeps per-sample gradients: there the
     ghost path's extra kernel launches, not arithmetic, set the cost, and it was the slowest
-    mode on every model measured (benchmarks/results/gpu_h200.md).
+    mode on every model measured (dpkfc_bench/results/gpu_h200.md).
     """
     if mode == "per_sample":
         return False
