@@ -106,7 +106,7 @@ from dpkfc_bench.cost_markdown import analyse, render_markdown
 from dpkfc_bench.cost_memory import measure_memory, memory_child_main, trim
 from dpkfc_bench.cost_timing import measure_timing, setup_method, timed
 from dpkfc_med.curvature.families import Family
-from dpkfc_med.training.precision import Precision
+from dpkfc_med.engines.precision import Precision
 
 
 def _calibrate_batch(

@@ -71,7 +71,7 @@ def setup_method(
             (``bf16``: bfloat16 autocast; Opacus' hooks then keep bfloat16 per-sample
             gradients, ours cast them to float32).
     """
-    from dpkfc_med.training.precision import check_precision, forward_autocast
+    from dpkfc_med.engines.precision import check_precision, forward_autocast
 
     prec = check_precision(precision, x.device)
     t0 = time.perf_counter()

@@ -102,10 +102,10 @@ def build_case(name: str, run_dir: Path, needed: int) -> Case:
     import torch
     from torch.utils.data import DataLoader
 
+    from dpkfc_med.engines.precision import check_precision
     from dpkfc_med.privacy.engine import PrivacyEngine
     from dpkfc_med.training.config import Method, load_config
     from dpkfc_med.training.plan import plan_privacy
-    from dpkfc_med.training.precision import check_precision
     from dpkfc_med.training.setup import build_run_model, make_optimizer, seed_everything
     from dpkfc_med.training.task_build import build_task
 
@@ -231,9 +231,9 @@ def bare_block(case: Case, batches: list[Any], stamps: list[tuple[float, int]]) 
     """An epoch of the old ``_train_epoch`` over ``batches``, stamping every step's end."""
     from tqdm import tqdm
 
+    from dpkfc_med.engines.precision import forward_autocast
+    from dpkfc_med.engines.schedule import lr_factor
     from dpkfc_med.engines.trainer import float32_output, noise_only_step
-    from dpkfc_med.training.precision import forward_autocast
-    from dpkfc_med.training.schedule import lr_factor
 
     cfg, task, popt, engine, device = case.cfg, case.task, case.popt, case.engine, case.device
     state = case.bare

@@ -35,7 +35,7 @@ from monai.engines.utils import IterationEvents
 from monai.utils.enums import CommonKeys as Keys
 from torch import Tensor, nn
 
-from dpkfc_med.training.precision import Precision, forward_autocast
+from dpkfc_med.engines.precision import Precision, forward_autocast
 
 __all__ = [
     "PrivacyEvents",

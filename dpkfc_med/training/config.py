@@ -277,7 +277,7 @@ class TrainingConfig:
             mechanism and privacy plan, the memory of one chunk (large volumes, small GPUs).
         precision: ``float32``, or ``bf16``: the training forward and backward passes under
             bfloat16 autocast (faster on GPUs), with per-sample gradients, norms, clipping and
-            noise in float32 (:mod:`dpkfc_med.training.precision`). Refreshes, pretraining
+            noise in float32 (:mod:`dpkfc_med.engines.precision`). Refreshes, pretraining
             and evaluation stay in float32.
         finetune: which parameters train (the others are frozen before the privacy engine
             wraps the network: no per-sample gradient, clipping share, noise or curvature

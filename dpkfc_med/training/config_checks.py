@@ -14,6 +14,7 @@ from typing import Any
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.engines.handlers.tracking import TrackingBackend, mlflow_location
+from dpkfc_med.engines.precision import Precision
 from dpkfc_med.methods import METHODS
 from dpkfc_med.models.finetune import FinetuneMode
 from dpkfc_med.models.fix import NormChoice
@@ -21,7 +22,6 @@ from dpkfc_med.privacy.accounting import Accountant
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
 from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
-from dpkfc_med.training.precision import Precision
 from dpkfc_med.utils import did_you_mean
 
 __all__ = ["CHOICES", "POSITIVE", "attribute_overrides", "flatten", "value_problems"]

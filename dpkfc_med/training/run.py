@@ -52,6 +52,8 @@ from dpkfc_med.engines.handlers.tracking import (
     TrackingPlan,
     plan_tracking,
 )
+from dpkfc_med.engines.precision import Precision, backend_settings, check_precision
+from dpkfc_med.engines.schedule import WeightAverage
 from dpkfc_med.models.finetune import finetune_report, released_state_dict
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
@@ -75,8 +77,6 @@ from dpkfc_med.training.opening import (
     stored_plans,
 )
 from dpkfc_med.training.plan import PlanError, describe_plan
-from dpkfc_med.training.precision import Precision, backend_settings, check_precision
-from dpkfc_med.training.schedule import WeightAverage
 from dpkfc_med.training.setup import (
     build_run_model,
     make_optimizer,

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.engines.precision import Precision, backend_settings, forward_autocast
 from dpkfc_med.privacy.engine import PrivacyEngine
-from dpkfc_med.training.precision import Precision, backend_settings, forward_autocast
 from tests.conftest import GaussianProbes, per_sample_ce, summed_clipped, tiny_cnn_2d
 
 # every device this machine has (the GPU check runs the same tests on CUDA)

@@ -125,7 +125,7 @@ def test_cli_evaluate_on_another_folder_uses_all_its_cases(runs, tmp_path, capsy
 
 @needs_hippo
 def test_weight_average_is_released_and_lr_follows_the_cosine_plan(tmp_path):
-    from dpkfc_med.training.schedule import lr_factor
+    from dpkfc_med.engines.schedule import lr_factor
 
     run = tmp_path / "ema"
     extra = ["training.ema_decay=0.9", "training.lr_schedule=cosine", "training.warmup_steps=1"]

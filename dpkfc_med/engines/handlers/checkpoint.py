@@ -18,9 +18,9 @@ import torch
 from ignite.engine import Events
 
 from dpkfc_med.engines.handlers.history import RunLog
+from dpkfc_med.engines.schedule import WeightAverage
 from dpkfc_med.engines.trainer import PrivacyEvents
 from dpkfc_med.privacy.accounting import PrivacyLedger
-from dpkfc_med.training.schedule import WeightAverage
 from dpkfc_med.utils import atomic_write_bytes
 
 __all__ = ["BudgetSafeCheckpointer", "atomic_torch_save"]

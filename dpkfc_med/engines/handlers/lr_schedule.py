@@ -6,7 +6,7 @@ from typing import Any
 
 from ignite.engine import Events
 
-from dpkfc_med.training.schedule import lr_factor
+from dpkfc_med.engines.schedule import lr_factor
 
 __all__ = ["LrScheduleHandler"]
 

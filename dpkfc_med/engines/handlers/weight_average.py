@@ -6,14 +6,14 @@ from typing import Any
 
 from ignite.engine import Events
 
+from dpkfc_med.engines.schedule import WeightAverage
 from dpkfc_med.engines.trainer import unwrapped
-from dpkfc_med.training.schedule import WeightAverage
 
 __all__ = ["WeightAverageHandler"]
 
 
 class WeightAverageHandler:
-    """Update a :class:`~dpkfc_med.training.schedule.WeightAverage` after every noisy step.
+    """Update a :class:`~dpkfc_med.engines.schedule.WeightAverage` after every noisy step.
 
     The average only reads released parameters, so it is post-processing of the mechanism.
     """

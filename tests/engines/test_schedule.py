@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpkfc_med.training.schedule import WeightAverage, lr_factor
+from dpkfc_med.engines.schedule import WeightAverage, lr_factor
 
 
 def test_constant_and_warmup_factors():
