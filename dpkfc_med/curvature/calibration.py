@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from dpkfc_med.curvature.blocks import FallbackBlock, KroneckerBlock, inverse_sqrt
 from dpkfc_med.curvature.config import FallbackRule, PreconditionerConfig, ScaleRule
 from dpkfc_med.curvature.factors import LossFn, capture_raw
-from dpkfc_med.curvature.families import Family
+from dpkfc_med.curvature.families import family_spec
 
 __all__ = ["calibrate_scales"]
 
@@ -116,7 +116,7 @@ def calibrate_scales(
                 )
         for fb in fallbacks.values():
             gs = got[id(fb.param)].detach()
-            if cfg.fallback is FallbackRule.DIAGONAL or cfg.family is Family.DIAGONAL:
+            if cfg.fallback is FallbackRule.DIAGONAL or family_spec(cfg.family).elementwise:
                 second = gs.pow(2).mean(0)
                 fb.diag = inverse_sqrt(second.flatten().unsqueeze(0), cfg.fallback_damping).reshape(
                     fb.param.shape

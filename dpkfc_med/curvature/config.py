@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Any
 
 from dpkfc_med.curvature.factors import FactorReduction
-from dpkfc_med.curvature.families import Family
+from dpkfc_med.curvature.families import Family, check_family
 from dpkfc_med.utils import check_choice
 
 __all__ = ["FactorMode", "FallbackRule", "PreconditionerConfig", "ScaleRule"]
@@ -133,7 +133,7 @@ class PreconditionerConfig:
     shampoo_rank: int | None = None
 
     def __post_init__(self) -> None:
-        self.family = check_choice("preconditioner.family", self.family, Family)
+        self.family = check_family(self.family)
         self.factors = check_choice("preconditioner.factors", self.factors, FactorMode)
         self.reduction = check_choice("preconditioner.reduction", self.reduction, FactorReduction)
         self.scaling = check_choice("preconditioner.scaling", self.scaling, ScaleRule)

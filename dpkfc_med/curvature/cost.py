@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dpkfc_med.curvature.adapters import adapter_for
 from dpkfc_med.curvature.factors import FactorReduction, covered_layers
+from dpkfc_med.curvature.families import family_spec
 from dpkfc_med.curvature.preconditioner import low_rank_of, transform_path_macs
 
 __all__ = [
@@ -163,9 +164,10 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
     on the path the preconditioner picks, with the same
     :func:`~dpkfc_med.curvature.preconditioner.transform_path_macs` the blocks choose it by;
     transposed convolutions form raw gradients on their input grid and always transform them
-    (``n_g^2 n_a + n_g n_a^2``). Shampoo counts both sides as full matrices where they fit
-    ``max_factor_dim`` (``R`` low rank under ``shampoo_rank``); the diagonal family one
-    elementwise product of the gradient.
+    (``n_g^2 n_a + n_g n_a^2``). The family's registry entry
+    (:func:`~dpkfc_med.curvature.families.family_spec`) says what changes: Shampoo counts
+    both sides as full matrices where they fit ``max_factor_dim`` (``R`` low rank under
+    ``shampoo_rank``); the diagonal family one elementwise product of the gradient.
 
     Args:
         rows: :func:`layer_footprint`.
@@ -173,27 +175,26 @@ def transform_macs(rows: list[LayerFootprint], config: Any) -> list[dict[str, An
     """
     cfg = _settings(config)
     max_dim, factors = int(cfg["max_factor_dim"]), str(cfg["factors"])
-    family = str(cfg.get("family", "kfac"))
-    if family == "shampoo":
-        factors = "ag"  # both sides, each full where it fits max_factor_dim
+    family = family_spec(cfg.get("family", "kfac"))
+    factors = family.cost_factors or factors  # Shampoo: both sides, each full where it fits
     out = []
     for r in rows:
         t, g, n_a, n_g = r.T, r.G, r.n_a, r.n_g
         full_a = _full(n_a, factors, max_dim)
         full_g = factors == "ag" and n_g <= max_dim
         a_row = full_a * n_a * n_a  # one row times U_A
-        rank = low_rank_of(n_a, cfg.get("shampoo_rank" if family == "shampoo" else "rank_a"))
-        low = family == "shampoo" or (family == "kfac" and not _kron(r, cfg, full_a))
-        if full_a and rank and low:
+        kron = family.kron_conv and _kron(r, cfg, full_a)
+        rank = low_rank_of(n_a, cfg.get(family.rank_key)) if family.rank_key else None
+        if full_a and rank and not kron:
             a_row = 2 * n_a * rank  # c I + V diag(d) V^T
         factored, materialized = transform_path_macs(
             positions=t, groups=g, n_a=n_a, n_g=n_g, a_row=a_row, full_g=full_g
         )
-        if family == "diagonal":
+        if family.elementwise:
             extra = g * n_g * n_a  # g / sqrt(v): one product per weight
         elif factors == "identity":
             extra = 0
-        elif family == "kfac" and _kron(r, cfg, full_a):
+        elif kron:
             c, k = r.C, r.K
             extra = r.S * c * c + n_g * c * k * k + full_g * n_g * n_g * n_a
         elif r.type.startswith("ConvTranspose"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpkfc_med.curvature.blocks import FallbackBlock, KroneckerBlock
-from dpkfc_med.curvature.families import Family
+from dpkfc_med.curvature.families import Family, family_spec
 
 __all__ = ["coverage_rows", "coverage_shares"]
 
@@ -17,6 +17,7 @@ def coverage_rows(
 ) -> list[dict[str, Any]]:
     """One row per covered layer and per fallback parameter (the report's coverage columns)."""
     rows: list[dict[str, Any]] = []
+    family = family_spec(family).name
     for name, b in blocks.items():
         g, n_a, n_g = b.dims
         rows.append(
@@ -24,7 +25,7 @@ def coverage_rows(
                 "layer": name,
                 "type": type(b.module).__name__,
                 "adapter": b.adapter.name,
-                "family": Family(family).value,
+                "family": family,
                 "groups": g,
                 "A_dim": n_a,
                 "G_dim": n_g,
@@ -52,7 +53,7 @@ def coverage_rows(
                 "layer": name,
                 "type": "parameter",
                 "adapter": f"fallback:{'diagonal' if fb.diag is not None else 'identity'}",
-                "family": Family(family).value,
+                "family": family,
                 "groups": 1,
                 "A_dim": 0,
                 "G_dim": 0,

@@ -57,7 +57,7 @@ from dpkfc_med.curvature.factors import (
     covered_layers,
     estimate_factors,
 )
-from dpkfc_med.curvature.families import Family, estimate_gradient_statistics
+from dpkfc_med.curvature.families import estimate_gradient_statistics, family_spec
 from dpkfc_med.curvature.linalg import EighFallback
 
 __all__ = [
@@ -212,14 +212,14 @@ class KroneckerPreconditioner:
         spectra: dict[str, dict[str, Any]] = {}
         eig_fallbacks: list[EighFallback] = []
         stats = {}
-        if cfg.family is not Family.KFAC:
+        if family_spec(cfg.family).statistics is not None:  # Shampoo, diagonal
             stats = estimate_gradient_statistics(
                 model,
                 inputs,
                 targets,
                 loss_fn,
                 covered,
-                cfg.family,  # type: ignore[arg-type]
+                cfg.family,
                 chunk_size=cfg.chunk_size,
                 max_factor_dim=cfg.max_factor_dim,
             )

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpkfc_med.curvature.families import Family, estimate_gradient_statistics
+from dpkfc_med.curvature import cost as cc
+from dpkfc_med.curvature import families
+from dpkfc_med.curvature.families import (
+    CurvatureFamily,
+    Family,
+    estimate_gradient_statistics,
+    family_spec,
+    register_family,
+)
 from dpkfc_med.curvature.preconditioner import KroneckerPreconditioner, PreconditionerConfig
 from dpkfc_med.training.config import ConfigError, load_config
 
@@ -198,3 +206,48 @@ def test_low_rank_shampoo_right_factor_is_top_eigenpairs_plus_mean_tail(float64)
     torch.testing.assert_close(block.a_low.dense()[0], want)
     row = {r["layer"]: r for r in pre.coverage()}["5"]
     assert row["A"] == "rank 4 + tail"
+
+
+def test_built_in_families_are_registry_entries():
+    assert families.registered_families() == ("kfac", "shampoo", "diagonal")
+    kfac, shampoo, diagonal = (family_spec(f) for f in Family)
+    assert (kfac.statistics, kfac.rank_key, kfac.kron_conv) == (None, "rank_a", True)
+    assert (shampoo.rank_key, shampoo.cost_factors, shampoo.elementwise) == (
+        "shampoo_rank",
+        "ag",
+        False,
+    )
+    assert diagonal.elementwise and diagonal.rank_key is None
+    assert family_spec("Shampoo") is shampoo and family_spec(Family.DIAGONAL) is diagonal
+    with pytest.raises(ValueError, match=r"preconditioner.family='shampo'.*did you mean"):
+        family_spec("shampo")
+    with pytest.raises(ValueError, match="'shampoo' is registered twice"):
+        register_family(CurvatureFamily("shampoo"))
+
+
+def test_a_new_family_is_one_registration(monkeypatch, float64):
+    """A family registered under a new name with Shampoo's pieces is a valid config value and
+    gives Shampoo's preconditioner, coverage and cost estimate, with no other change."""
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    shampoo = family_spec("shampoo")
+    register_family(
+        CurvatureFamily(
+            "shampoo_twin",
+            statistics=shampoo.statistics,
+            rank_key=shampoo.rank_key,
+            cost_factors=shampoo.cost_factors,
+        )
+    )
+    model, x, y = _setup()
+    built = {}
+    for name in ("shampoo", "shampoo_twin"):
+        cfg = PreconditionerConfig(family=name, shampoo_rank=4, calibration_samples=4)
+        assert cfg.family == name
+        pre = KroneckerPreconditioner.from_probes(model, x, y, _loss, cfg)
+        rows = cc.layer_footprint(model, x)
+        built[name] = (pre, cc.transform_macs(rows, cfg))
+    (ref, ref_macs), (twin, twin_macs) = built["shampoo"], built["shampoo_twin"]
+    assert twin_macs == ref_macs
+    assert {r["family"] for r in twin.coverage()} == {"shampoo_twin"}
+    for name, block in ref.blocks.items():
+        torch.testing.assert_close(twin.blocks[name].dense(), block.dense(), msg=name)
