@@ -265,8 +265,20 @@ def model_section(report: Mapping[str, Any]) -> list[Block]:
 def curves_section(report: Mapping[str, Any]) -> list[Block]:
     """Training settings, the epsilon figure and the epsilon history."""
     out: list[Block] = [Heading(2, "Training settings and privacy spent")]
-    if report["training"]:
-        out.append(mapping_table(report["training"], "Setting"))
+    training = dict(report["training"] or {})
+    recipe = training.pop("recipe", None) or {}
+    if training:
+        out.append(mapping_table(training, "Setting"))
+    if recipe.get("fields"):
+        out += [
+            Heading(3, f"Recipe (training.recipe: {recipe.get('mode')})"),
+            Paragraph(
+                "Each setting below was either set by you or chosen by the rule of "
+                "training.recipe: auto, from public facts only (the target epsilon, the "
+                "number of training units, the task's declared shapes and the network)."
+            ),
+            records_table(recipe["fields"], ("field", "value", "origin", "why")),
+        ]
     out.append(Image("epsilon", "Privacy spent (epsilon) against training step"))
     return out + _epsilon_history(report)
 

@@ -23,6 +23,7 @@ import yaml
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.methods import Method
+from dpkfc_med.recipe.apply import leaf_paths
 from dpkfc_med.training.config_checks import attribute_overrides, value_problems
 from dpkfc_med.utils import did_you_mean
 
@@ -252,6 +253,10 @@ class TrainingConfig:
     """Optimisation settings.
 
     Attributes:
+        recipe: ``manual`` (the defaults below for what you leave unset) or ``auto``: every
+            recipe field you leave unset (batch, epochs, clip norm, optimizer and lr, method,
+            crops per unit, pretraining, preconditioner) is chosen by a rule on public facts
+            only (:mod:`dpkfc_med.recipe.rule`); the report lists each with its origin.
         optimizer: ``sgd`` (with ``momentum``), ``adam``, or ``adambc`` (DP-AdamBC: Adam with
             the DP-noise variance ``(sigma C / B)^2`` subtracted from its second moment,
             :mod:`dpkfc_med.privacy.adambc`; plain Adam when non-private).
@@ -296,6 +301,7 @@ class TrainingConfig:
             norms take no adapter (frozen).
     """
 
+    recipe: str = "manual"
     epochs: int = 5
     batch_size: int = 256
     optimizer: str = "sgd"
@@ -430,6 +436,9 @@ class RunConfig:
     preconditioner: dict[str, Any] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # set when loading and by recipe: auto, never read from a file (see dpkfc_med.recipe)
+    set_by_user: list[str] = field(default_factory=list, metadata={"internal": True})
+    recipe_rows: list[dict[str, Any]] = field(default_factory=list, metadata={"internal": True})
 
     # ------------------------------------------------------------------ derived
     @property
@@ -448,8 +457,9 @@ class RunConfig:
         return Path(self.output.dir.replace("{name}", self.name))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (YAML/JSON-serialisable)."""
-        return dataclasses.asdict(self)
+        """Plain nested dict (YAML/JSON-serialisable) of the settings."""
+        internal = [f.name for f in dataclasses.fields(self) if f.metadata.get("internal")]
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in internal}
 
     def sha256(self) -> str:
         """Hash of the canonical JSON form (recorded in the privacy report)."""
@@ -506,7 +516,7 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
         problems.append(f"{prefix or '<root>'}: must be a mapping, got {type(data).__name__}")
         return cls()
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
@@ -558,6 +568,7 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
         problems.extend(value_problems(cfg))
     if problems:
         raise ConfigError(problems, source)
+    cfg.set_by_user = leaf_paths(data)
     return cfg
 
 

@@ -22,6 +22,7 @@ from dpkfc_med.privacy.accounting import Accountant
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
 from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
+from dpkfc_med.recipe.apply import RECIPES
 from dpkfc_med.utils import did_you_mean
 
 __all__ = ["CHOICES", "POSITIVE", "attribute_overrides", "flatten", "value_problems"]
@@ -32,6 +33,7 @@ CHOICES: dict[str, list[str]] = {
     "data.task": ["classification", "segmentation"],
     "data.slices.pick": ["random", "even"],
     "training.optimizer": ["sgd", "adam", "adambc"],
+    "training.recipe": list(RECIPES),
     "training.lr_schedule": ["constant", "cosine"],
     "training.device": ["cpu", "cuda", "auto"],
     "training.precision": [p.value for p in Precision],

@@ -59,6 +59,8 @@ from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.record import Mechanism, RunRecord
+from dpkfc_med.tasks.base import Task
+from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.opening import (
     CHECKPOINT,
@@ -81,12 +83,12 @@ from dpkfc_med.training.setup import (
     build_run_model,
     make_optimizer,
     pretrain,
+    recipe_before_task,
     resolve_device,
+    resolve_recipe,
     seed_everything,
     task_record,
 )
-from dpkfc_med.training.task_build import build_task
-from dpkfc_med.training.tasks import Task
 from dpkfc_med.utils import write_json
 
 __all__ = ["RunInterrupted", "RunResult", "train"]
@@ -187,6 +189,7 @@ def train(
     # the run folder already: a DICOM folder's conversion cache)
     fresh = not run_dir.exists()
     try:
+        cfg = recipe_before_task(cfg)  # recipe: auto chooses crops per unit before the task
         task = build_task(cfg, data_path) if task is None else task
         seed_everything(cfg.training.seed)
         model, fixes = build_run_model(cfg, task) if network is None else network
@@ -194,6 +197,7 @@ def train(
         n_units = len(task.train_set)  # type: ignore[arg-type]
         if n_units == 0:
             raise PlanError("the training split is empty")
+        cfg = resolve_recipe(cfg, task, model, n_units)
         batch = min(cfg.training.batch_size, n_units)
         if batch < cfg.training.batch_size:
             print(
@@ -447,10 +451,10 @@ def _release(run: _Run) -> dict[str, Any]:
     cfg, task, model, run_dir = run.cfg, run.task, run.model, run.run_dir
     best = run.run_log.best
     final_state = copy.deepcopy(released_state_dict(run.released()))
-    if best["state"] is not None:
-        model.load_state_dict(best["state"])
+    if best.state is not None:
+        model.load_state_dict(best.state)
     bs = cfg.training.eval_batch_size
-    metrics: dict[str, Any] = {"selected_epoch": best["epoch"]}
+    metrics: dict[str, Any] = {"selected_epoch": best.epoch}
     metrics["val"] = task.evaluate(model, "val", run.device, bs, full=True)
     metrics["test"] = task.evaluate(model, "test", run.device, bs, full=True)
     from dpkfc_med.report import shareable_config
@@ -481,7 +485,7 @@ def _finish(run: _Run, status: str, evaluate: bool) -> RunResult:
     metrics: dict[str, Any] = {
         "val": None,
         "test": None,
-        "selected_epoch": run.run_log.best["epoch"],
+        "selected_epoch": run.run_log.best.epoch,
     }
     if evaluate:
         metrics = _release(run)
@@ -559,6 +563,7 @@ def _record(run: _Run, status: str, metrics: dict[str, Any]) -> RunRecord:
             "momentum": t.momentum,
             "weight_decay": t.weight_decay,
             "pretraining": log_.pretrain,
+            "recipe": {"mode": t.recipe, "fields": cfg.recipe_rows},
             "lr_schedule": t.lr_schedule,
             "warmup_steps": t.warmup_steps,
             "weight_average": (
@@ -572,7 +577,7 @@ def _record(run: _Run, status: str, metrics: dict[str, Any]) -> RunRecord:
             ),
             "epochs_planned": t.epochs,
             "batch_size": t.batch_size,  # B; the expected batch is privacy's q N
-            "selected_epoch": log_.best["epoch"],
+            "selected_epoch": log_.best.epoch,
             "select_epoch": t.select_epoch,
             "model_selection": (
                 "the last epoch (post-processing)"
@@ -580,7 +585,7 @@ def _record(run: _Run, status: str, metrics: dict[str, Any]) -> RunRecord:
                 else f"best validation {task.selection_metric} over epochs"
             ),
         },
-        history=log_.history,
+        history=log_.history.as_dict(),
         metrics=metrics,
         diagnostics=log_.diag,
         plan_history=stored_plans(run.run_dir),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,16 +20,21 @@ from dpkfc_med.models import (
 from dpkfc_med.models.finetune import prepare_finetune
 from dpkfc_med.models.pretrained import PretrainedWeightsError, same_data_problems
 from dpkfc_med.privacy.adambc import DPAdamBC
+from dpkfc_med.recipe import public_facts, recipe_after_task, recipe_before_task
+from dpkfc_med.recipe.apply import recipe_lines
+from dpkfc_med.tasks.base import Task
 from dpkfc_med.training.config import ConfigError, RunConfig
+from dpkfc_med.training.config_checks import value_problems
 from dpkfc_med.training.pretrain import PretrainSpec, pretrain_synthetic
-from dpkfc_med.training.tasks import Task
 
 __all__ = [
     "PRETRAIN_CACHE",
     "build_run_model",
     "make_optimizer",
     "pretrain",
+    "recipe_before_task",
     "resolve_device",
+    "resolve_recipe",
     "seed_everything",
     "task_record",
 ]
@@ -135,3 +141,17 @@ def task_record(task: Task) -> dict[str, Any]:
         "spatial_shape": list(task.spatial_shape),
         "label_names": task.label_names,
     }
+
+
+def resolve_recipe(cfg: RunConfig, task: Task, model: nn.Module, n_units: int) -> RunConfig:
+    """``training.recipe: auto``: the rule's choices for every unset field, checked and shown."""
+    if cfg.training.recipe != "auto":
+        return cfg
+    out = recipe_after_task(cfg, public_facts(cfg, task, model, n_units))
+    problems = value_problems(out)
+    if problems:  # the rule never chooses against a setting of yours; say which one clashes
+        raise ConfigError([*problems, "(after training.recipe: auto filled the unset fields)"])
+    if cfg.training.progress:
+        print("recipe (training.recipe: auto):", *recipe_lines(out.recipe_rows), sep="\n",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return out

@@ -1,0 +1,155 @@
+"""``recipe: auto``: every training setting the user left unset, chosen from public facts.
+
+The rule condenses what the benchmarks found to work under DP (docs/configuration.md,
+"recipe: auto", lists the evidence); its inputs are :class:`~.facts.PublicFacts` only, so two
+datasets that differ only in their images and labels get the same recipe.
+
+- **Steps and batch.** About 200 noisy steps at an expected batch of 42 % of the units
+  (multiples of 8, between 8 and 256): the tuned recipes of every task sit there (hippocampus
+  64 of 154 patients, PneumoniaMNIST 256 of 4,708 for 190 steps, AdrenalMNIST3D 190 steps).
+- **Optimizer, lr and clip norm.** Segmentation: Adam with a small clip norm (0.125), lr
+  0.01 for a 30k-parameter UNet; classification: SGD with momentum 0.9, clip norm 1, lr 0.2
+  for a 26k-parameter CNN. Both lrs shrink as ``(parameters / reference) ** -1/4``: the noise
+  of one step grows with the square root of the parameter count, and the tuned lrs of the
+  larger networks (DenseNet121 0.02, ResNet-10 0.05) sit on either side of that line.
+- **Data-free pretraining** (segmentation from scratch): 1000 Adam steps on synthetic shapes
+  (no data, no privacy cost); off when public weights are given.
+- **Crops per unit**: two crops of each drawn patient for 3D volumes, eight slices for 2D
+  slices of volumes, summed before clipping (the sensitivity stays C).
+- **Method and preconditioner.** DP-KFC, except DP-SGD at epsilon <= 1 without public
+  weights, where whitening paid less than it cost (hippocampus 0.332 vs 0.409 at epsilon 1,
+  DenseNet121 -15 % of the gap). Two-class classification whitens the A factor only (A+G
+  collapses on binary tasks); otherwise A and G with relative damping 1 (10 at epsilon <= 1),
+  and the per-layer scale rule.
+- **Fine-tuning from public weights**: every layer (``full``): after a contrast shift only
+  full fine-tuning recovered, and it stays within reach after a label merge.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dpkfc_med.recipe.facts import PublicFacts
+
+__all__ = ["Choice", "choose", "RECIPE_FIELDS", "TARGET_STEPS"]
+
+TARGET_STEPS = 200  # noisy steps of a run
+BATCH_SHARE = 0.42  # expected batch as a share of the training units
+SEG_REFERENCE = (0.01, 30_000)  # Adam lr for a 30k-parameter UNet
+CLS_REFERENCE = (0.2, 26_000)  # SGD lr for a 26k-parameter CNN
+
+# every field the rule may choose, in the order the report lists them
+RECIPE_FIELDS = (
+    "method",
+    "privacy.max_grad_norm",
+    "training.batch_size",
+    "training.epochs",
+    "training.optimizer",
+    "training.lr",
+    "training.momentum",
+    "training.lr_schedule",
+    "training.finetune",
+    "data.patches_per_unit",
+    "data.slices.per_unit",
+    "pretrain.steps",
+    "pretrain.batch_size",
+    "pretrain.lr",
+    "probes.num_probes",
+    "probes.refresh_every",
+    "preconditioner.factors",
+    "preconditioner.damping_a",
+    "preconditioner.damping_g",
+    "preconditioner.scaling",
+)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One field the rule chose and the public facts it was chosen from."""
+
+    field: str
+    value: Any
+    why: str
+
+
+def expected_batch(n_units: int) -> int:
+    """Expected units per step: 42 % of the units in multiples of 8, within 8..256 and N."""
+    return min(n_units, max(8, min(256, 8 * round(BATCH_SHARE * n_units / 8))))
+
+
+def epochs_for(n_units: int, batch: int, steps: int = TARGET_STEPS) -> int:
+    """Epochs that give about ``steps`` Poisson steps (``ceil(N / B)`` steps an epoch)."""
+    return max(1, math.ceil(steps / max(1, math.ceil(n_units / batch))))
+
+
+def _scaled_lr(reference: tuple[float, int], n_params: int, low: float, high: float) -> float:
+    lr, params = reference
+    value = lr * (max(n_params, 1) / params) ** -0.25
+    return float(f"{min(high, max(low, value)):.2g}")
+
+
+def choose(f: PublicFacts) -> list[Choice]:
+    """The recipe for ``f``: one :class:`Choice` per field of :data:`RECIPE_FIELDS` that applies."""
+    seg = f.kind == "segmentation"
+    low_eps = f.epsilon <= 1.0
+    out: list[Choice] = []
+
+    def add(field: str, value: Any, why: str) -> None:
+        out.append(Choice(field, value, why))
+
+    dp_sgd = low_eps and not f.public_weights
+    add("method", "dp-sgd" if dp_sgd else "dp-kfc",
+        "epsilon <= 1 without public weights: whitening paid less than it cost" if dp_sgd
+        else "DP-KFC: ahead of DP-SGD at this epsilon in the benchmarks")  # fmt: skip
+    batch = expected_batch(f.n_units)
+    add("training.batch_size", batch, f"42 % of the {f.n_units} training units (8..256)")
+    add("training.epochs", epochs_for(f.n_units, batch),
+        f"about {TARGET_STEPS} noisy steps of {batch} expected units")  # fmt: skip
+    add("training.lr_schedule", "constant", "the tuned recipes all train at a constant lr")
+    ref = f"(parameters / {{}}) ** -1/4 for {f.n_params:,} parameters"
+    if seg:
+        add("privacy.max_grad_norm", 0.125, "small clip norm with Adam (segmentation)")
+        add("training.optimizer", "adam", "Adam for segmentation")
+        add("training.lr", _scaled_lr(SEG_REFERENCE, f.n_params, 1e-3, 0.01),
+            "0.01 x " + ref.format(f"{SEG_REFERENCE[1]:,}"))  # fmt: skip
+    else:
+        add("privacy.max_grad_norm", 1.0, "clip norm 1 with SGD (classification)")
+        add("training.optimizer", "sgd", "SGD with momentum for classification")
+        add("training.momentum", 0.9, "momentum 0.9")
+        add("training.lr", _scaled_lr(CLS_REFERENCE, f.n_params, 0.02, 0.2),
+            "0.2 x " + ref.format(f"{CLS_REFERENCE[1]:,}"))  # fmt: skip
+    if f.public_weights:
+        add("training.finetune", "full", "public weights: every layer fine-tuned")
+    if seg and not f.bundle:
+        if f.from_volumes:
+            add("data.slices.per_unit", 8, "eight slices per drawn patient, summed before clipping")
+        elif f.spatial_dims == 3:
+            add("data.patches_per_unit", 2, "two crops per drawn patient, summed before clipping")
+    pretrain = seg and not f.public_weights
+    add("pretrain.steps", 1000 if pretrain else 0,
+        "data-free pretraining on synthetic shapes (no data, no privacy cost)" if pretrain
+        else "public weights given" if f.public_weights
+        else "synthetic-shape pretraining exists for segmentation only")  # fmt: skip
+    if pretrain:
+        add("pretrain.batch_size", 8, "synthetic volumes per pretraining step")
+        add("pretrain.lr", 0.003, "Adam lr of pretraining")
+    if dp_sgd:
+        return out
+    add("probes.num_probes", 16 if seg else 256, "synthetic probes per refresh")
+    add("probes.refresh_every", 50 if seg else "auto", "preconditioner refresh interval")
+    binary = not seg and f.num_classes <= 2
+    add("preconditioner.factors", "a" if binary else "ag",
+        "A only: two classes give a rank-1 G" if binary else "A and G whitened")  # fmt: skip
+    damping = 10.0 if low_eps else 1.0
+    add(
+        "preconditioner.damping_a",
+        0.001 if binary else damping,
+        "relative damping (mild whitening" + (", weaker at epsilon <= 1)" if low_eps else ")"),
+    )
+    add("preconditioner.damping_g", 0.1 if binary else damping, "relative damping of G")
+    add("preconditioner.scaling", "global" if binary else "per_layer_raw",
+        "each layer keeps its unpreconditioned share of the clipped norm" if not binary
+        else "one scale for the whole network")  # fmt: skip
+    return out
