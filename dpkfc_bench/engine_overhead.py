@@ -215,7 +215,7 @@ def attach_engine(case: Case, first: list[Any], stamps: list[tuple[float, int]])
         epoch_length=len(first),
         train_handlers=handlers,
     )
-    listed = log_.history["epsilon_step"]
+    listed = log_.history.epsilon_step
     case.trainer.add_event_handler(  # registered last: after every handler of the step
         Events.ITERATION_COMPLETED, lambda _: stamps.append((time.perf_counter(), len(listed)))
     )
@@ -310,8 +310,11 @@ Arm = Callable[[Case, list[Any], list[tuple[float, int]]], None]
 def timed(arm: Arm, case: Case, batches: list[Any], stamps: list[tuple[float, int]]) -> dict:
     """Run one block: each step's time (ms), whether it listed an exact epsilon, the total."""
     stamps.clear()
-    log_ = case.run_log.history if arm is engine_block else case.bare["history"]
-    listed = len(log_["epsilon_step"])
+    engine_arm = arm is engine_block
+    listed_steps = (
+        case.run_log.history.epsilon_step if engine_arm else case.bare["history"]["epsilon_step"]
+    )
+    listed = len(listed_steps)
     t0 = time.perf_counter()
     arm(case, batches, stamps)
     t_end = time.perf_counter()

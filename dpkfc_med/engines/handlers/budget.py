@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ignite.engine import Events
 
 from dpkfc_med.engines.handlers.history import RunLog
-from dpkfc_med.engines.trainer import PrivacyEvents
+from dpkfc_med.engines.trainer import PrivacyEvents, PrivateTrainer
 from dpkfc_med.privacy.accounting import Accountant, rdp_epsilon
 from dpkfc_med.report.history import epsilon_rule, on_epsilon_grid
 from dpkfc_med.report.numbers import format_epsilon
@@ -33,7 +31,7 @@ class PrivacyBudgetHandler:
     def __init__(self, log: RunLog, planned_steps: int) -> None:
         self.log, self.planned_steps = log, int(planned_steps)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach to a private trainer."""
         engine.add_event_handler(Events.ITERATION_STARTED, self.stop_at_plan)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.track)
@@ -41,16 +39,16 @@ class PrivacyBudgetHandler:
         engine.add_event_handler(Events.TERMINATE, self.list_last)
         engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self.list_last)
 
-    def exhausted(self, engine: Any) -> bool:
+    def exhausted(self, engine: PrivateTrainer) -> bool:
         """Whether the plan's steps are all taken."""
         return engine.steps_taken >= self.planned_steps
 
-    def stop_at_plan(self, engine: Any) -> None:
+    def stop_at_plan(self, engine: PrivateTrainer) -> None:
         """Before a step: end the epoch (and then the run) once the plan is spent."""
         if self.exhausted(engine):
             engine.terminate_epoch()
 
-    def track(self, engine: Any) -> None:
+    def track(self, engine: PrivateTrainer) -> None:
         """After a noisy step: the bar's epsilon, and the exact one on the grid.
 
         The epoch's last step lists its exact epsilon too, shown before the bar closes.
@@ -65,11 +63,11 @@ class PrivacyBudgetHandler:
         if epoch_end or on_epsilon_grid(ledger.steps, epsilon_rule(pe.accountant)):
             self.list_last(engine)
 
-    def list_last(self, engine: Any) -> None:
+    def list_last(self, engine: PrivateTrainer) -> None:
         """List the current step's exact epsilon in the history (epoch end, stop, grid)."""
         pe = engine.privacy_engine
         ledger = pe.ledger
-        steps = self.log.history["epsilon_step"]
+        steps = self.log.history.epsilon_step
         if ledger.steps == 0 or (steps and steps[-1] >= ledger.steps):
             return
         steps.append(ledger.steps)
@@ -79,7 +77,7 @@ class PrivacyBudgetHandler:
             name = pe.accountant.value
             self.log.bar_epsilon[f"eps_{name}"] = f"{format_epsilon(eps)}@{ledger.steps}"
 
-    def epoch_completed(self, engine: Any) -> None:
+    def epoch_completed(self, engine: PrivateTrainer) -> None:
         """List the epoch's last step; terminate once the plan is spent (after the others)."""
         self.list_last(engine)
         if self.exhausted(engine):

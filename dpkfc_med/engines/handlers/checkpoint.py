@@ -19,7 +19,7 @@ from ignite.engine import Events
 
 from dpkfc_med.engines.handlers.history import RunLog
 from dpkfc_med.engines.schedule import WeightAverage
-from dpkfc_med.engines.trainer import PrivacyEvents
+from dpkfc_med.engines.trainer import PrivacyEvents, PrivateTrainer
 from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.utils import atomic_write_bytes
 
@@ -52,17 +52,17 @@ class BudgetSafeCheckpointer:
     ) -> None:
         self.path, self.run_log, self.model, self.average = path, run_log, model, average
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach after the validation handler (the checkpoint keeps its choice)."""
         engine.add_event_handler(Events.EPOCH_COMPLETED, self.save)
         engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self.stopped)
 
-    def stopped(self, engine: Any) -> None:
+    def stopped(self, engine: PrivateTrainer) -> None:
         """Ctrl-C or SIGTERM: keep the model of the steps already paid for."""
         if isinstance(engine.state.stop_error, KeyboardInterrupt):
             self.save(engine, mid_epoch=True)
 
-    def save(self, engine: Any, *, mid_epoch: bool = False) -> None:
+    def save(self, engine: PrivateTrainer, *, mid_epoch: bool = False) -> None:
         """Write the checkpoint; ``mid_epoch``: a resume repeats the epoch from its start."""
         epoch = engine.state.epoch - 1 if mid_epoch else engine.state.epoch
         pe = engine.privacy_engine
@@ -83,7 +83,9 @@ class BudgetSafeCheckpointer:
             self.path,
         )
 
-    def restore(self, engine: Any, previous: PrivacyLedger | None, ledger_path: Path) -> int:
+    def restore(
+        self, engine: PrivateTrainer, previous: PrivacyLedger | None, ledger_path: Path
+    ) -> int:
         """Load the checkpoint into the trainer; returns the epochs it had completed.
 
         Args:
@@ -101,7 +103,7 @@ class BudgetSafeCheckpointer:
         np.random.set_state(ck["numpy_rng"])
         random.setstate(ck["python_rng"])
         epoch = int(ck["epoch"])
-        engine.nonprivate_steps = int(ck.get("nonprivate_steps", len(ck["history"]["step"])))
+        engine.nonprivate_steps = int(ck.get("nonprivate_steps", len(self.run_log.history.step)))
         engine.state.epoch = epoch
         engine.state.iteration = epoch * int(engine.state.epoch_length or 0)
         pe = engine.privacy_engine
@@ -110,7 +112,8 @@ class BudgetSafeCheckpointer:
             # Steps recorded on disk after the checkpoint were spent: never forget them.
             if previous is not None and previous.steps > pe.ledger.steps:
                 pe.ledger.events = list(previous.events)
-                engine.optimizer.steps_taken = previous.steps
+                popt: Any = engine.optimizer  # private: the engine's optimizer counts steps
+                popt.steps_taken = previous.steps
             pe.ledger.path = ledger_path
             pe.ledger.save()
         return epoch

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ignite.engine import Events
 
 from dpkfc_med.engines.schedule import lr_factor
+
+if TYPE_CHECKING:
+    from dpkfc_med.engines.trainer import PrivateTrainer
 
 __all__ = ["LrScheduleHandler"]
 
@@ -22,11 +25,11 @@ class LrScheduleHandler:
         self.lr, self.total_steps = lr, total_steps
         self.schedule, self.warmup_steps = schedule, warmup_steps
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach to a trainer."""
         engine.add_event_handler(Events.ITERATION_STARTED, self)
 
-    def __call__(self, engine: Any) -> None:
+    def __call__(self, engine: PrivateTrainer) -> None:
         """Set the learning rate of the next step."""
         factor = lr_factor(engine.steps_taken, self.total_steps, self.schedule, self.warmup_steps)
         for group in engine.optimizer.param_groups:

@@ -10,7 +10,7 @@ from typing import Any
 from ignite.engine import Events
 
 from dpkfc_med.engines.handlers.history import RunLog
-from dpkfc_med.engines.trainer import PrivacyEvents
+from dpkfc_med.engines.trainer import PrivacyEvents, PrivateTrainer
 
 __all__ = ["ProgressBarHandler"]
 
@@ -31,7 +31,7 @@ class ProgressBarHandler:
         self.t0, self.seen = 0.0, 0
         self._redirect: Any = None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach to a trainer."""
         engine.add_event_handler(Events.EPOCH_STARTED, self.open)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.update)
@@ -39,7 +39,7 @@ class ProgressBarHandler:
         engine.add_event_handler(Events.TERMINATE, self.close)
         engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self.close)
 
-    def open(self, engine: Any) -> None:
+    def open(self, engine: PrivateTrainer) -> None:
         """A fresh bar for the epoch."""
         from tqdm import tqdm
 
@@ -59,7 +59,7 @@ class ProgressBarHandler:
             dynamic_ncols=True,
         )
 
-    def update(self, engine: Any) -> None:
+    def update(self, engine: PrivateTrainer) -> None:
         """One step done."""
         self.seen += engine.state.step_samples
         loss = engine.state.step_loss
@@ -70,7 +70,7 @@ class ProgressBarHandler:
             )
             self.bar.update(1)
 
-    def close(self, engine: Any) -> None:
+    def close(self, engine: PrivateTrainer) -> None:
         """Close the bar; one line in the log."""
         if self.bar is None:
             return

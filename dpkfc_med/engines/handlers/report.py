@@ -7,7 +7,7 @@ from typing import Any
 
 from ignite.engine import Events
 
-from dpkfc_med.engines.trainer import PrivacyEvents
+from dpkfc_med.engines.trainer import PrivacyEvents, PrivateTrainer
 
 __all__ = ["PrivacyReportHandler"]
 
@@ -26,20 +26,22 @@ class PrivacyReportHandler:
         finished: ``engine -> bool``.
     """
 
-    def __init__(self, finish: Callable[[str, bool], Any], finished: Callable[[Any], bool]) -> None:
+    def __init__(
+        self, finish: Callable[[str, bool], Any], finished: Callable[[PrivateTrainer], bool]
+    ) -> None:
         self.finish, self.finished = finish, finished
         self.result: Any = None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach last: the report sees every other handler's state."""
         engine.add_event_handler(Events.COMPLETED, self.completed)
         engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self.stopped)
 
-    def completed(self, engine: Any) -> None:
+    def completed(self, engine: PrivateTrainer) -> None:
         """The run ended normally (all epochs, the plan spent, or a deliberate stop)."""
         status = "complete" if self.finished(engine) else "incomplete"
         self.result = self.finish(status, status == "complete")
 
-    def stopped(self, engine: Any) -> None:
+    def stopped(self, engine: PrivateTrainer) -> None:
         """An interrupt or error: what was spent, no evaluation."""
         self.result = self.finish("incomplete", False)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ignite.engine import Events
 from torch import nn
 
-from dpkfc_med.engines.handlers.history import RunLog
+from dpkfc_med.engines.handlers.history import RunLog, SelectedEpoch
+
+if TYPE_CHECKING:
+    from dpkfc_med.engines.trainer import PrivateTrainer
 
 __all__ = ["EpochSelectionHandler"]
 
@@ -43,16 +46,16 @@ class EpochSelectionHandler:
         released: Callable[[], nn.Module],
         eval_every: int,
         select_epoch: str,
-        finished: Callable[[Any], bool],
+        finished: Callable[[PrivateTrainer], bool],
     ) -> None:
         self.run_log, self.evaluate, self.released = run_log, evaluate, released
         self.eval_every, self.select_epoch, self.finished = eval_every, select_epoch, finished
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach to a trainer (before the checkpoint handler, which saves the choice)."""
         engine.add_event_handler(Events.EPOCH_COMPLETED, self)
 
-    def __call__(self, engine: Any) -> None:
+    def __call__(self, engine: PrivateTrainer) -> None:
         """Validate at this epoch's end when due, and keep the selected weights."""
         epoch = engine.state.epoch
         if epoch % self.eval_every != 0 and not self.finished(engine):
@@ -60,15 +63,11 @@ class EpochSelectionHandler:
         model = self.released()
         value = self.evaluate(model)
         history, best = self.run_log.history, self.run_log.best
-        history["val_epoch"].append(epoch)
-        history["val_metric"].append(value)
-        name = history["val_metric_name"]
+        history.val_epoch.append(epoch)
+        history.val_metric.append(value)
+        name = history.val_metric_name
         engine.state.metrics[name if name.startswith("val") else f"val_{name}"] = value
         log.info("epoch %d: val %s = %.4f", epoch, name, value)
         latest = self.select_epoch == "last"
-        if latest or not (value <= best["metric"]):  # nan-safe: first is kept
-            self.run_log.best = {
-                "epoch": epoch,
-                "metric": value,
-                "state": copy.deepcopy(model.state_dict()),
-            }
+        if latest or not (value <= best.metric):  # nan-safe: first is kept
+            self.run_log.best = SelectedEpoch(epoch, value, copy.deepcopy(model.state_dict()))

@@ -32,7 +32,7 @@ from typing import Any
 
 from ignite.engine import Events
 
-from dpkfc_med.engines.trainer import PrivacyEvents
+from dpkfc_med.engines.trainer import PrivacyEvents, PrivateTrainer
 from dpkfc_med.report.custodian import PRIVATE_DIR
 
 __all__ = [
@@ -243,7 +243,7 @@ class CustodianTracking:
         self.plan = plan
         self.handler: Any = None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach MONAI's handler to a private trainer."""
         where = self.plan.custodian
         if self.plan.backend is TrackingBackend.TENSORBOARD:
@@ -273,7 +273,7 @@ class CustodianTracking:
             )
 
     @staticmethod
-    def step_values(engine: Any) -> dict[str, float]:
+    def step_values(engine: PrivateTrainer) -> dict[str, float]:
         """The step's loss and clipping diagnostics (un-noised private statistics)."""
         values: dict[str, Any] = {"loss": engine.state.step_loss}
         diagnostics = getattr(engine.optimizer, "last_diagnostics", None)
@@ -281,15 +281,15 @@ class CustodianTracking:
             values["clipping"] = diagnostics.as_dict()
         return _scalars(values)
 
-    def _write_step(self, engine: Any, writer: Any) -> None:
+    def _write_step(self, engine: Any, writer: Any) -> None:  # MONAI's writer signature
         for tag, value in self.step_values(engine).items():
             writer.add_scalar(tag, value, engine.state.iteration)
         writer.flush()
 
-    def _log_step(self, engine: Any) -> None:
+    def _log_step(self, engine: PrivateTrainer) -> None:
         self.handler._log_metrics(self.step_values(engine), step=engine.state.iteration)
 
-    def close(self, engine: Any) -> None:
+    def close(self, engine: PrivateTrainer) -> None:
         """Flush and close the stream (the run completed or stopped)."""
         if self.handler is not None:
             self.handler.close()
@@ -381,7 +381,7 @@ class ShareableTracking:
     def __init__(self, plan: TrackingPlan, run_dir: Path) -> None:
         self.plan, self.run_dir = plan, Path(run_dir)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach after the report handler."""
         engine.add_event_handler(Events.COMPLETED, self)
         engine.add_event_handler(PrivacyEvents.RUN_STOPPED, self)
@@ -432,7 +432,9 @@ class ShareableTracking:
         finally:
             writer.close()
 
-    def _mlflow(self, records: dict[str, Any], artifacts: list[Path], engine: Any) -> None:
+    def _mlflow(
+        self, records: dict[str, Any], artifacts: list[Path], engine: PrivateTrainer
+    ) -> None:
         import time
 
         from mlflow.entities import Metric, Param, RunTag

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ignite.engine import Events
 
 from dpkfc_med.engines.schedule import WeightAverage
-from dpkfc_med.engines.trainer import unwrapped
+from dpkfc_med.engines.trainer import PrivateTrainer, unwrapped
 
 __all__ = ["WeightAverageHandler"]
 
@@ -21,10 +19,10 @@ class WeightAverageHandler:
     def __init__(self, average: WeightAverage) -> None:
         self.average = average
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: PrivateTrainer) -> None:
         """Attach to a trainer."""
         engine.add_event_handler(Events.ITERATION_COMPLETED, self)
 
-    def __call__(self, engine: Any) -> None:
+    def __call__(self, engine: PrivateTrainer) -> None:
         """Fold the released parameters into the average."""
         self.average.update(unwrapped(engine.network))
