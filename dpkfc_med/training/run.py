@@ -39,6 +39,7 @@ from dpkfc_med.engines.handlers import (
     EpochSelectionHandler,
     HistoryHandler,
     LrScheduleHandler,
+    ModelReleaseHandler,
     PrivacyBudgetHandler,
     PrivacyReportHandler,
     ProgressBarHandler,
@@ -236,7 +237,9 @@ def train(
             handler.attach(run.trainer)
         # ---------------------------------------------------------------- 3. train
         trainer = run.trainer
-        reporter = PrivacyReportHandler(lambda status, ev: _finish(run, status, ev), run.finished)
+        release = ModelReleaseHandler(lambda: _release(run), run.finished)
+        release.attach(trainer)  # before the report, which lists the release's metrics
+        reporter = PrivacyReportHandler(lambda st: _finish(run, st, release.metrics), run.finished)
         reporter.attach(trainer)  # last: it sees every other handler's state
         if tracking is not None:  # after the report: the shareable stream is read off it
             ShareableTracking(tracking, run_dir).attach(trainer)
@@ -247,6 +250,7 @@ def train(
             )
         with backend_settings(device) as run.backends:
             if run.finished(trainer):  # a resumed run whose last epoch was already done
+                release.completed(trainer)
                 reporter.completed(trainer)
             else:
                 trainer.run()
@@ -477,18 +481,14 @@ def _release(run: _Run) -> dict[str, Any]:
     return metrics
 
 
-def _finish(run: _Run, status: str, evaluate: bool) -> RunResult:
-    """Release (when complete), freeze the run record and write the report."""
+def _finish(run: _Run, status: str, released: dict[str, Any] | None) -> RunResult:
+    """Freeze the run record and write the report (with the release's metrics, if released)."""
     from dpkfc_med.report import not_covered, split_report, write_report
     from dpkfc_med.report.record import build_report
 
-    metrics: dict[str, Any] = {
-        "val": None,
-        "test": None,
-        "selected_epoch": run.run_log.best.epoch,
-    }
-    if evaluate:
-        metrics = _release(run)
+    if released is None or status != "complete":  # a stop after the release lists none
+        released = {"val": None, "test": None, "selected_epoch": run.run_log.best.epoch}
+    metrics: dict[str, Any] = released
     full = build_report(_record(run, status, metrics))
     full["privacy"]["not_covered"] = not_covered(full)
     report, custodian = split_report(full)

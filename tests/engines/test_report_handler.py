@@ -9,10 +9,10 @@ from dpkfc_med.engines.handlers import HistoryHandler, PrivacyReportHandler, Run
 
 
 def _reporter(engine, finished=lambda e: e.state.epoch >= e.state.max_epochs):
-    calls: list[tuple[str, bool, int]] = []
+    calls: list[tuple[str, int]] = []
 
-    def finish(status: str, evaluate: bool) -> str:
-        calls.append((status, evaluate, engine.steps_taken))
+    def finish(status: str) -> str:
+        calls.append((status, engine.steps_taken))
         return f"result {len(calls)}"
 
     log = RunLog()
@@ -22,20 +22,20 @@ def _reporter(engine, finished=lambda e: e.state.epoch >= e.state.max_epochs):
     return reporter, calls, log
 
 
-def test_a_finished_run_is_complete_evaluated_and_reported_once(trainer):
+def test_a_finished_run_is_complete_and_reported_once(trainer):
     engine = trainer(epochs=2)
     reporter, calls, log = _reporter(engine)
     engine.run()
-    assert calls == [("complete", True, 8)] and reporter.result == "result 1"
+    assert calls == [("complete", 8)] and reporter.result == "result 1"
     assert log.history.step[-1] == 8  # the other handlers' state was final when it ran
 
 
-def test_a_deliberate_stop_before_the_last_epoch_is_incomplete_and_not_evaluated(trainer):
+def test_a_deliberate_stop_before_the_last_epoch_is_incomplete(trainer):
     engine = trainer(epochs=3)
     reporter, calls, _ = _reporter(engine)
     engine.add_event_handler(Events.EPOCH_COMPLETED(once=1), lambda e: e.terminate())
     engine.run()
-    assert calls == [("incomplete", False, 4)]
+    assert calls == [("incomplete", 4)]
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
@@ -50,5 +50,5 @@ def test_an_interrupt_or_error_reports_what_was_spent_then_raises(trainer, stop)
     engine.add_event_handler(Events.ITERATION_COMPLETED, fail)
     with pytest.raises(stop):
         engine.run()
-    assert calls == [("incomplete", False, 3)] and reporter.result == "result 1"
+    assert calls == [("incomplete", 3)] and reporter.result == "result 1"
     assert engine.privacy_engine.ledger.steps == 3

@@ -5,6 +5,7 @@ from dpkfc_med.engines.handlers.checkpoint import BudgetSafeCheckpointer, atomic
 from dpkfc_med.engines.handlers.history import HistoryHandler, RunLog
 from dpkfc_med.engines.handlers.lr_schedule import LrScheduleHandler
 from dpkfc_med.engines.handlers.progress import ProgressBarHandler
+from dpkfc_med.engines.handlers.release import ModelReleaseHandler
 from dpkfc_med.engines.handlers.report import PrivacyReportHandler
 from dpkfc_med.engines.handlers.selection import EpochSelectionHandler
 from dpkfc_med.engines.handlers.weight_average import WeightAverageHandler
@@ -14,6 +15,7 @@ __all__ = [
     "EpochSelectionHandler",
     "HistoryHandler",
     "LrScheduleHandler",
+    "ModelReleaseHandler",
     "PrivacyBudgetHandler",
     "PrivacyReportHandler",
     "ProgressBarHandler",

@@ -16,18 +16,19 @@ class PrivacyReportHandler:
     """Write the report at the end of every run, whatever ended it.
 
     At ``COMPLETED`` the run is ``complete`` when ``finished(engine)`` (all epochs, or the
-    plan's steps spent) and is then evaluated and released; otherwise (``stop_after_epochs``)
-    it is ``incomplete``. An interrupt or error writes an ``incomplete`` report of what the
-    ledger holds before the exception leaves the trainer.
+    plan's steps spent; the :class:`~dpkfc_med.engines.handlers.ModelReleaseHandler` attached
+    before it has then released the model); otherwise (``stop_after_epochs``) it is
+    ``incomplete``. An interrupt or error writes an ``incomplete`` report of what the ledger
+    holds before the exception leaves the trainer.
 
     Args:
-        finish: ``(status, evaluate) -> None``: releases the model when ``evaluate`` and writes
-            the report built from the frozen run record (:mod:`dpkfc_med.report.record`).
+        finish: ``status -> result``: writes the report built from the frozen run record
+            (:mod:`dpkfc_med.report.record`); its value is kept in :attr:`result`.
         finished: ``engine -> bool``.
     """
 
     def __init__(
-        self, finish: Callable[[str, bool], Any], finished: Callable[[PrivateTrainer], bool]
+        self, finish: Callable[[str], Any], finished: Callable[[PrivateTrainer], bool]
     ) -> None:
         self.finish, self.finished = finish, finished
         self.result: Any = None
@@ -39,9 +40,8 @@ class PrivacyReportHandler:
 
     def completed(self, engine: PrivateTrainer) -> None:
         """The run ended normally (all epochs, the plan spent, or a deliberate stop)."""
-        status = "complete" if self.finished(engine) else "incomplete"
-        self.result = self.finish(status, status == "complete")
+        self.result = self.finish("complete" if self.finished(engine) else "incomplete")
 
     def stopped(self, engine: PrivateTrainer) -> None:
         """An interrupt or error: what was spent, no evaluation."""
-        self.result = self.finish("incomplete", False)
+        self.result = self.finish("incomplete")
