@@ -32,7 +32,7 @@ from dpkfc_med.report.document import (
     records_table,
 )
 from dpkfc_med.report.numbers import format_delta, format_epsilon
-from dpkfc_med.report.schema import COVERAGE_COLUMNS
+from dpkfc_med.report.schema.privacy_report import COVERAGE_COLUMNS
 from dpkfc_med.report.statements import (
     DIAGNOSTICS_NOTE,
     expected_batch_text,

@@ -334,7 +334,7 @@ def _privacy(record: RunRecord) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
 def build_report(record: RunRecord) -> dict[str, Any]:
     """The privacy-report dict (schema ``dpkfc_med.privacy_report/2``) of a stopped run."""
-    from dpkfc_med.report.schema import REPORT_SCHEMA
+    from dpkfc_med.report.schema.privacy_report import REPORT_SCHEMA
 
     privacy, pre = _privacy(record)
     eps = (privacy.get("epsilon") or {}).get(privacy.get("accountant") or "prv")

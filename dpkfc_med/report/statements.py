@@ -15,7 +15,7 @@ from dpkfc_med.methods import Method
 from dpkfc_med.report.custodian import data_dependent_inputs
 from dpkfc_med.report.document import fmt_value
 from dpkfc_med.report.numbers import format_delta, format_epsilon
-from dpkfc_med.report.schema import ACCOUNTANTS
+from dpkfc_med.report.schema.privacy_report import ACCOUNTANTS
 from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = [

@@ -29,12 +29,9 @@ from typing import Any
 from dpkfc_med.report.custodian import CUSTODIAN_FILES
 from dpkfc_med.report.plots import PLOT_FILES, render_custodian_plots, render_plots
 from dpkfc_med.report.render import render_custodian_markdown, render_html, render_markdown
-from dpkfc_med.report.schema import (
-    ReportSchemaError,
-    check_report,
-    to_json_data,
-    validate_custodian_report,
-)
+from dpkfc_med.report.schema.custodian_report import validate_custodian_report
+from dpkfc_med.report.schema.json_data import to_json_data
+from dpkfc_med.report.schema.privacy_report import ReportSchemaError, check_report
 from dpkfc_med.utils import atomic_write_bytes
 
 __all__ = ["REPORT_FILES", "load_report", "rerender", "write_report"]

@@ -2,7 +2,8 @@
 
 The custodian report holds what the shareable report must not (see
 :mod:`dpkfc_med.report.custodian`); its validator reads problems in the same
-``"<dotted.field>: <what is wrong>"`` form as :func:`~dpkfc_med.report.schema.validate_report`.
+``"<dotted.field>: <what is wrong>"`` form as
+:func:`~dpkfc_med.report.schema.privacy_report.validate_report`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpkfc_med.report.custodian import CUSTODIAN_SCHEMA
-from dpkfc_med.report.json_data import to_json_data
-from dpkfc_med.report.rules import describe, fields, is_number, mapping, nullable, string
+from dpkfc_med.report.schema.json_data import to_json_data
+from dpkfc_med.report.schema.rules import describe, fields, is_number, mapping, nullable, string
 
 __all__ = ["validate_custodian_report"]
 

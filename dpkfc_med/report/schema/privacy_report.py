@@ -1,9 +1,10 @@
 """The privacy report contract (schema ``dpkfc_med.privacy_report/2``) and its validator.
 
 The report is a plain, JSON-serialisable dict built by the training pipeline. Validation is
-hand-written (no ``jsonschema`` dependency; the field rules are :mod:`dpkfc_med.report.rules`,
-the JSON view :mod:`dpkfc_med.report.json_data`) so that every problem reads as
-``"<dotted.field>: <what is wrong>"`` and all problems are reported at once.
+hand-written (no ``jsonschema`` dependency; the field rules are
+:mod:`dpkfc_med.report.schema.rules`, the JSON view :mod:`dpkfc_med.report.schema.json_data`)
+so that every problem reads as ``"<dotted.field>: <what is wrong>"`` and all problems are
+reported at once.
 
 Layout (version 1; keys not listed are allowed and kept)::
 
@@ -33,7 +34,7 @@ This is the *shareable* report: it must not hold any field of
 :data:`~dpkfc_med.report.custodian.CUSTODIAN_ONLY` (un-noised statistics of the private
 records: training losses, metrics, diagnostics, class counts, fingerprints, case splits); the
 validator refuses them. They live in the custodian report (``dpkfc_med.custodian_report/1``,
-:func:`~dpkfc_med.report.custodian_schema.validate_custodian_report`) under
+:func:`~dpkfc_med.report.schema.custodian_report.validate_custodian_report`) under
 ``private_not_for_release/``.
 
 Privacy-relevant fields (``privacy.*``, ``preconditioner.uses_private_data``) are checked
@@ -48,9 +49,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dpkfc_med.methods import METHODS, PRECONDITIONED_METHODS, Method
-from dpkfc_med.report.custodian_schema import validate_custodian_report
-from dpkfc_med.report.json_data import to_json_data
-from dpkfc_med.report.rules import (
+from dpkfc_med.report.schema.json_data import to_json_data
+from dpkfc_med.report.schema.rules import (
     Check,
     boolean,
     curve_value,
@@ -74,13 +74,11 @@ from dpkfc_med.report.rules import (
 
 __all__ = [
     "ACCOUNTANTS",
-    "METHODS",
+    "COVERAGE_COLUMNS",
     "REPORT_SCHEMA",
     "STATUSES",
     "ReportSchemaError",
     "check_report",
-    "to_json_data",
-    "validate_custodian_report",
     "validate_report",
 ]
 

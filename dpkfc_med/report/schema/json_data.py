@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import Any
 
-from dpkfc_med.report.rules import join_path
+from dpkfc_med.report.schema.rules import join_path
 
 __all__ = ["to_json_data"]
 
