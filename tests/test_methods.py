@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dpkfc_med.methods import ENGINE_METHODS, METHODS, PRECONDITIONED_METHODS, Method, method_help
-from dpkfc_med.report import render, schema
+from dpkfc_med.report import render
+from dpkfc_med.report.schema import privacy_report as schema
 from dpkfc_med.utils import check_choice, did_you_mean
 
 
