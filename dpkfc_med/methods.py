@@ -16,11 +16,15 @@ from enum import Enum
 
 __all__ = [
     "ENGINE_METHODS",
+    "KFAC_CURVATURE",
     "METHODS",
     "PRECONDITIONED_METHODS",
     "Method",
     "method_help",
 ]
+
+KFAC_CURVATURE = "a KFAC curvature estimate"
+"""What preconditions the DP-KFC family's gradients unless the report names another family."""
 
 
 class Method(str, Enum):
@@ -61,7 +65,17 @@ class Method(str, Enum):
     @property
     def description(self) -> str:
         """One sentence on what the method does; ``{unit}`` stands for the privacy unit."""
-        return _DESCRIPTIONS[self]
+        return self.describe("{unit}")
+
+    def describe(self, unit: str, curvature: str = KFAC_CURVATURE) -> str:
+        """One sentence on what the method does, composed from its varying parts.
+
+        Args:
+            unit: The privacy unit's noun (``"patient"`` gives ``"per-patient gradients"``).
+            curvature: What preconditions the per-unit gradients, for the DP-KFC family (a
+                noun phrase; other methods have none).
+        """
+        return _DESCRIPTIONS[self].format(unit=unit, curvature=curvature)
 
 
 _DESCRIPTIONS = {
@@ -70,16 +84,16 @@ _DESCRIPTIONS = {
         "DP-SGD: per-{unit} gradients clipped to norm C, Gaussian noise added to their sum"
     ),
     Method.DP_KFC: (
-        "DP-KFC: per-{unit} gradients preconditioned by a KFAC curvature estimate built from "
-        "synthetic noise probes, then clipped to norm C and noised as in DP-SGD"
+        "DP-KFC: per-{unit} gradients preconditioned by {curvature} built from synthetic noise "
+        "probes, then clipped to norm C and noised as in DP-SGD"
     ),
     Method.DP_KFC_WHITE: (
-        "DP-KFC with white-noise probes: per-{unit} gradients preconditioned by a KFAC "
-        "curvature estimate built from white-noise probes, then clipped and noised as in DP-SGD"
+        "DP-KFC with white-noise probes: per-{unit} gradients preconditioned by {curvature} "
+        "built from white-noise probes, then clipped and noised as in DP-SGD"
     ),
     Method.DP_KFC_PUBLIC: (
-        "DP-KFC with public data: per-{unit} gradients preconditioned by a KFAC curvature "
-        "estimate built from external public data, then clipped and noised as in DP-SGD"
+        "DP-KFC with public data: per-{unit} gradients preconditioned by {curvature} built "
+        "from external public data, then clipped and noised as in DP-SGD"
     ),
 }
 

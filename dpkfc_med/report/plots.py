@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dpkfc_med.report.numbers import format_delta, format_epsilon
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = ["PLOT_FILES", "epsilon_figure", "render_custodian_plots", "render_plots"]
@@ -132,7 +133,7 @@ def epsilon_figure(report: Mapping[str, Any]) -> Any:
             f"{format_epsilon(privacy['target_epsilon'])}",
         )
     planned = privacy.get("planned_steps")
-    if report["status"] != "complete" and planned:
+    if report["status"] != RunStatus.COMPLETE and planned:
         # Show the whole plan so that the interruption is visible.
         ax.axvline(privacy["steps"], color="0.5", ls=":", lw=1, label="run stopped")
         ax.set_xlim(0, max(planned, privacy["steps"]) * 1.02)

@@ -50,7 +50,6 @@ from dpkfc_med.report.document import (
 from dpkfc_med.report.plots import PLOT_FILES
 from dpkfc_med.report.statements import (
     DIAGNOSTICS_NOTE,
-    FAILED_NOTE,
     INCOMPLETE_NOTE,
     NONPRIVATE_NOTE,
     audit_sentence,
@@ -59,6 +58,7 @@ from dpkfc_med.report.statements import (
     plural,
     unit_head,
 )
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.summary import (
     audit_section,
     guarantee_section,
@@ -103,10 +103,8 @@ def build_document(report: Mapping[str, Any]) -> list[Block]:
     run, p = report["run"], report["privacy"]
     unit = unit_head(report["data"]["privacy_unit"])
     doc: list[Block] = [Heading(1, f"Privacy report: {run['name']}")]
-    if report["status"] == "incomplete":
+    if report["status"] == RunStatus.INCOMPLETE:
         doc.append(Banner("INCOMPLETE RUN", INCOMPLETE_NOTE, "warning"))
-    elif report["status"] == "failed":
-        doc.append(Banner("FAILED RUN", FAILED_NOTE, "warning"))
     if not p["private"]:
         doc.append(Banner(NO_GUARANTEE, NONPRIVATE_NOTE.format(units=plural(unit)), "danger"))
     for text in p.get("headline_warnings") or []:

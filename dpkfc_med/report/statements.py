@@ -11,17 +11,18 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from dpkfc_med.methods import Method
+from dpkfc_med.methods import KFAC_CURVATURE, Method
 from dpkfc_med.report.custodian import data_dependent_inputs
 from dpkfc_med.report.document import fmt_value
 from dpkfc_med.report.numbers import format_delta, format_epsilon
 from dpkfc_med.report.schema.privacy_report import ACCOUNTANTS
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = [
     "ACCOUNTANT_NAMES",
+    "CURVATURE_TEXT",
     "DIAGNOSTICS_NOTE",
-    "FAILED_NOTE",
     "INCOMPLETE_NOTE",
     "NONPRIVATE_NOTE",
     "audit_sentence",
@@ -47,12 +48,6 @@ __all__ = [
 INCOMPLETE_NOTE = (
     "the figures below cover the steps taken before the interruption; the privacy spent is as "
     "stated"
-)
-
-
-FAILED_NOTE = (
-    "the run ended with an error; the figures below cover the steps taken before it; the "
-    "privacy spent is as stated"
 )
 
 
@@ -177,20 +172,23 @@ def probe_summary(pre: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-_FAMILY_TEXT = {
+CURVATURE_TEXT = {
+    "kfac": KFAC_CURVATURE,
     "shampoo": "a Shampoo preconditioner (left and right factors of probe per-sample gradients)",
     "diagonal": "a diagonal preconditioner (the second moment of probe per-sample gradients)",
 }
+"""What preconditions the gradients, by ``preconditioner.config.family`` (the part of the
+method's sentence that the family changes; a family not listed reads as K-FAC)."""
 
 
 def method_text(report: Mapping[str, Any]) -> str:
     """The method in one sentence, naming the preconditioner family when it is not K-FAC."""
     p, pre = report["privacy"], report.get("preconditioner")
-    text = Method(p["method"]).description.format(unit=unit_head(report["data"]["privacy_unit"]))
     family = ((pre or {}).get("config") or {}).get("family", "kfac")
-    if family in _FAMILY_TEXT:
-        text = text.replace("a KFAC curvature estimate", _FAMILY_TEXT[family])
-    return text
+    return Method(p["method"]).describe(
+        unit_head(report["data"]["privacy_unit"]),
+        curvature=CURVATURE_TEXT.get(family, KFAC_CURVATURE),
+    )
 
 
 def _short_digest(sha: Any) -> str:
@@ -264,17 +262,13 @@ def release_verdict(
             ),
             "warning",
         )
-    if report["status"] != "complete":
-        stopped = (
-            "The run ended with an error before its planned steps"
-            if report["status"] == "failed"
-            else "The run stopped before its planned steps"
-        )
+    if report["status"] != RunStatus.COMPLETE:
         return (
             (
                 "Valid DP release: not yet.",
-                f"{stopped}; the privacy spent so far is as stated, but the run is incomplete: "
-                "continue it with --resume before releasing its model.",
+                "The run stopped before its planned steps; the privacy spent so far is as "
+                "stated, but the run is incomplete: continue it with --resume before releasing "
+                "its model.",
             ),
             "warning",
         )

@@ -50,6 +50,7 @@ from dpkfc_med.report.statements import (
     unit_detail,
     unit_head,
 )
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.wording import NO_GUARANTEE
 
 __all__ = [
@@ -156,7 +157,7 @@ def plain_summary(report: Mapping[str, Any]) -> Box:
         " Against anyone who obtains everything this run publishes (the released model, this "
         "report and its epsilon plot), whatever else they know."
     )
-    so_far = "" if report["status"] == "complete" else " so far"
+    so_far = "" if report["status"] == RunStatus.COMPLETE else " so far"
     target = p["target_epsilon"]
     within = ""
     if target is not None:
@@ -204,7 +205,7 @@ def plain_summary(report: Mapping[str, Any]) -> Box:
 def summary_section(report: Mapping[str, Any]) -> list[Block]:
     """The summary table: status, guarantee, method, preconditioner, unit, steps, task."""
     p, task, data, model = report["privacy"], report["task"], report["data"], report["model"]
-    status = {"complete": "complete", "incomplete": "INCOMPLETE (interrupted)", "failed": "FAILED"}
+    status = {RunStatus.COMPLETE: "complete", RunStatus.INCOMPLETE: "INCOMPLETE (interrupted)"}
     names = f" ({', '.join(task['label_names'])})" if task["label_names"] else ""
     guarantee: Inline = guarantee_sentence(report)
     if not p["private"]:

@@ -200,7 +200,6 @@ def test_a_bundle_unit_source_is_stated_beside_the_unit():
 @pytest.mark.parametrize(
     ("status", "reason"),
     [
-        ("failed", "The run ended with an error before its planned steps"),
         ("incomplete", "The run stopped before its planned steps"),
     ],
 )

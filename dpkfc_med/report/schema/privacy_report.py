@@ -9,7 +9,7 @@ reported at once.
 Layout (version 1; keys not listed are allowed and kept)::
 
     schema: "dpkfc_med.privacy_report/2"
-    status: "complete" | "incomplete" | "failed"
+    status: "complete" | "incomplete"  (dpkfc_med.report.status.RunStatus)
     created: ISO-8601 date (shareable report) or date-time
     run: {name, config_sha256, config, seed, device}  (run_dir: custodian report)
     task: {kind, spatial_dims, num_classes, label_names}
@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dpkfc_med.methods import METHODS, PRECONDITIONED_METHODS, Method
+from dpkfc_med.privacy.accounting import Accountant
 from dpkfc_med.report.schema.json_data import to_json_data
 from dpkfc_med.report.schema.rules import (
     Check,
@@ -71,6 +72,7 @@ from dpkfc_med.report.schema.rules import (
     string,
     timestamp,
 )
+from dpkfc_med.report.status import RunStatus
 
 __all__ = [
     "ACCOUNTANTS",
@@ -85,8 +87,11 @@ __all__ = [
 REPORT_SCHEMA = "dpkfc_med.privacy_report/2"
 """Schema id written into (and required of) every report."""
 
-STATUSES = ("complete", "incomplete", "failed")
-ACCOUNTANTS = ("prv", "rdp", "pld")
+STATUSES = tuple(s.value for s in RunStatus)
+"""The values of ``status`` (:class:`~dpkfc_med.report.status.RunStatus`)."""
+ACCOUNTANTS = tuple(a.value for a in Accountant)
+"""The accountants every private report states epsilon by
+(:class:`~dpkfc_med.privacy.accounting.Accountant`)."""
 COVERAGE_COLUMNS = (
     "layer",
     "type",
@@ -258,8 +263,9 @@ def _check_privacy(privacy: Any, problems: list[str]) -> None:
     ):
         largest = max(eps[k] for k in ACCOUNTANTS)
         if eps["max"] < largest:
+            names = f"{', '.join(ACCOUNTANTS[:-1])} and {ACCOUNTANTS[-1]}"
             problems.append(
-                f"privacy.epsilon.max: must be the largest of prv, rdp and pld ({largest!r}), "
+                f"privacy.epsilon.max: must be the largest of {names} ({largest!r}), "
                 f"got {eps['max']!r}"
             )
 
