@@ -19,6 +19,7 @@ import numpy as np
 from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.report.history import epsilon_history
 from dpkfc_med.report.numbers import format_epsilon
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID, PRIVATE_PRECONDITIONER
 
 __all__ = [
@@ -103,7 +104,8 @@ class RunRecord:
     """A stopped run, as plain data: everything the report states and nothing it computes from.
 
     Attributes:
-        status: ``complete`` or ``incomplete``.
+        status: How the run ended (a :class:`~dpkfc_med.report.status.RunStatus` or its
+            value; stored as the member).
         method: The method's name (``dp-kfc``, ``dp-sgd``, ``nonprivate``, ...).
         accountant: The stated accountant (``privacy.accountant``).
         privacy_unit: What one unit is, in words.
@@ -124,7 +126,7 @@ class RunRecord:
         epochs: Epochs completed (non-private runs; private runs state ``steps * q``).
     """
 
-    status: str
+    status: RunStatus
     method: str
     accountant: str
     privacy_unit: str
@@ -142,6 +144,9 @@ class RunRecord:
     secure_rng: bool = False
     unit_note: Mapping[str, Any] | None = None
     epochs: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", RunStatus(self.status))  # refuses any other value
 
 
 def _now() -> str:
@@ -340,7 +345,7 @@ def build_report(record: RunRecord) -> dict[str, Any]:
     eps = (privacy.get("epsilon") or {}).get(privacy.get("accountant") or "prv")
     return {
         "schema": REPORT_SCHEMA,
-        "status": record.status,
+        "status": record.status.value,
         "created": _now(),
         "run": dict(record.run),
         "task": dict(record.task),

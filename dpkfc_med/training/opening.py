@@ -25,6 +25,7 @@ import yaml
 from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.render import plural
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
 from dpkfc_med.training.plan import (
     PlanError,
@@ -129,7 +130,7 @@ def open_run(
         )
     if (
         run_json.is_file()
-        and json.loads(run_json.read_text(encoding="utf-8")).get("status") == "complete"
+        and json.loads(run_json.read_text(encoding="utf-8")).get("status") == RunStatus.COMPLETE
     ):
         raise ConfigError(
             [
@@ -317,7 +318,9 @@ def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening)
         if run_json.is_file()
         else None
     ) or now()
-    write_json(run_json, {"status": "incomplete", "started": started, "name": cfg.name})
+    write_json(
+        run_json, {"status": RunStatus.INCOMPLETE.value, "started": started, "name": cfg.name}
+    )
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     # the configuration the run now follows (every start's and resume's is kept in the config
     # history); `train --resume --out DIR` continues from it

@@ -60,6 +60,7 @@ from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.record import Mechanism, RunRecord
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.tasks.base import Task
 from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
@@ -481,24 +482,27 @@ def _release(run: _Run) -> dict[str, Any]:
     return metrics
 
 
-def _finish(run: _Run, status: str, released: dict[str, Any] | None) -> RunResult:
+def _finish(run: _Run, status: RunStatus | str, released: dict[str, Any] | None) -> RunResult:
     """Freeze the run record and write the report (with the release's metrics, if released)."""
     from dpkfc_med.report import not_covered, split_report, write_report
     from dpkfc_med.report.record import build_report
 
-    if released is None or status != "complete":  # a stop after the release lists none
+    status = RunStatus(status)
+    if released is None or status is not RunStatus.COMPLETE:  # a stop lists no release
         released = {"val": None, "test": None, "selected_epoch": run.run_log.best.epoch}
     metrics: dict[str, Any] = released
     full = build_report(_record(run, status, metrics))
     full["privacy"]["not_covered"] = not_covered(full)
     report, custodian = split_report(full)
     write_report(report, run.run_dir, custodian=custodian)
-    write_json(run.run_dir / RUN_JSON, {"status": status, "finished": now(), "name": run.cfg.name})
+    write_json(
+        run.run_dir / RUN_JSON, {"status": status.value, "finished": now(), "name": run.cfg.name}
+    )
     eps = report["privacy"]["epsilon"]["prv"] if report["privacy"]["epsilon"] else None
     return RunResult(run.run_dir, status, eps, metrics, report, custodian)
 
 
-def _record(run: _Run, status: str, metrics: dict[str, Any]) -> RunRecord:
+def _record(run: _Run, status: RunStatus, metrics: dict[str, Any]) -> RunRecord:
     """The frozen record of the run the report is built from."""
     from dpkfc_med.report import collect_environment
 
