@@ -8,6 +8,7 @@ from typing import Any
 from ignite.engine import Events
 
 from dpkfc_med.engines.trainer import PrivacyEvents, PrivateTrainer
+from dpkfc_med.report.status import RunStatus
 
 __all__ = ["PrivacyReportHandler"]
 
@@ -28,7 +29,7 @@ class PrivacyReportHandler:
     """
 
     def __init__(
-        self, finish: Callable[[str], Any], finished: Callable[[PrivateTrainer], bool]
+        self, finish: Callable[[RunStatus], Any], finished: Callable[[PrivateTrainer], bool]
     ) -> None:
         self.finish, self.finished = finish, finished
         self.result: Any = None
@@ -40,8 +41,9 @@ class PrivacyReportHandler:
 
     def completed(self, engine: PrivateTrainer) -> None:
         """The run ended normally (all epochs, the plan spent, or a deliberate stop)."""
-        self.result = self.finish("complete" if self.finished(engine) else "incomplete")
+        done = self.finished(engine)
+        self.result = self.finish(RunStatus.COMPLETE if done else RunStatus.INCOMPLETE)
 
     def stopped(self, engine: PrivateTrainer) -> None:
         """An interrupt or error: what was spent, no evaluation."""
-        self.result = self.finish("incomplete")
+        self.result = self.finish(RunStatus.INCOMPLETE)
