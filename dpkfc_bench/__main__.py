@@ -24,6 +24,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "dpkfc_bench.multichannel",
         "two input channels, one file each, against one channel (hippocampus, epsilon 8)",
     ),
+    "recipe": (
+        "dpkfc_bench.recipe",
+        "recipe: auto against a workload's own settings and the shipped recipe",
+    ),
     "cost": ("dpkfc_bench.cost", "step time, peak memory and refresh share against Opacus"),
     "bundle-cost": (
         "dpkfc_bench.bundle_cost",

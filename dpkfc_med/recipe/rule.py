@@ -1,15 +1,15 @@
 """``recipe: auto``: every training setting the user left unset, chosen from public facts.
 
-The rule condenses what the benchmarks found to work under DP (docs/configuration.md,
-"recipe: auto", lists the evidence); its inputs are :class:`~.facts.PublicFacts` only, so two
-datasets that differ only in their images and labels get the same recipe.
+The rule condenses what the benchmarks found to work under DP. Its inputs are the public
+facts of `dpkfc_med/recipe/facts.py` only, so two datasets that differ only in their images,
+labels and headers get the same recipe.
 
 - **Steps and batch.** About 200 noisy steps at an expected batch of 42 % of the units
   (multiples of 8, between 8 and 256): the tuned recipes of every task sit there (hippocampus
   64 of 154 patients, PneumoniaMNIST 256 of 4,708 for 190 steps, AdrenalMNIST3D 190 steps).
 - **Optimizer, lr and clip norm.** Segmentation: Adam with a small clip norm (0.125), lr
   0.01 for a 30k-parameter UNet; classification: SGD with momentum 0.9, clip norm 1, lr 0.2
-  for a 26k-parameter CNN. Both lrs shrink as ``(parameters / reference) ** -1/4``: the noise
+  for a 26k-parameter CNN. Both lrs shrink as `(parameters / reference) ** -1/4`: the noise
   of one step grows with the square root of the parameter count, and the tuned lrs of the
   larger networks (DenseNet121 0.02, ResNet-10 0.05) sit on either side of that line.
 - **Data-free pretraining** (segmentation from scratch): 1000 Adam steps on synthetic shapes
@@ -21,7 +21,7 @@ datasets that differ only in their images and labels get the same recipe.
   DenseNet121 -15 % of the gap). Two-class classification whitens the A factor only (A+G
   collapses on binary tasks); otherwise A and G with relative damping 1 (10 at epsilon <= 1),
   and the per-layer scale rule.
-- **Fine-tuning from public weights**: every layer (``full``): after a contrast shift only
+- **Fine-tuning from public weights**: every layer (`full`): after a contrast shift only
   full fine-tuning recovered, and it stays within reach after a label merge.
 """
 

@@ -261,6 +261,8 @@ def field_rows(section: str, cls: type) -> list[dict[str, str]]:
         hint = hints[f.name]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             continue  # a nested section, documented under its own heading
+        if f.metadata.get("internal"):
+            continue  # filled by the loader, not read from a file
         path = f"{section}.{f.name}" if section else f.name
         enum = _enum_in(hint)
         if enum is not None:
@@ -302,7 +304,28 @@ def render() -> str:
                 f"| `{r['field']}` | `{r['type']}` | {r['default']} | {r['allowed']} "
                 f"| {r['description']} |\n"
             )
+        if section == "training":
+            out.append(_recipe_section())
     return "".join(out)
+
+
+def _recipe_section() -> str:
+    """``training.recipe: auto``: the rule, from :mod:`dpkfc_med.recipe.rule`'s docstring."""
+    from dpkfc_med.recipe import RECIPE_FIELDS, rule
+
+    body = inspect.cleandoc(rule.__doc__ or "").split("\n\n", 1)[1]
+    fields = ", ".join(f"`{f}`" for f in RECIPE_FIELDS)
+    return (
+        "\n### `training.recipe: auto`\n\n"
+        "The suggested start for a new workload, and the default of `dpkfc-med bundle train` "
+        "(`--recipe bundle` keeps a bundle's own optimizer, lr, batch and epochs). Every "
+        f"field of {fields} that the config does not set is chosen by this rule, from public "
+        "facts only: the target epsilon, the number of training units, the task and its "
+        "declared shapes, the network's parameter count and whether public weights are "
+        "given (`dpkfc_med/recipe/rule.py`). Console and report list each field as set by "
+        "you or chosen by the rule. Evidence: "
+        "[recipe benchmark](../dpkfc_bench/results/recipe.md).\n\n" + body + "\n"
+    )
 
 
 def main() -> int:

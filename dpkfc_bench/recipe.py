@@ -1,0 +1,201 @@
+"""``recipe: auto`` against a workload's own settings and the hand-tuned shipped recipe.
+
+    python -m dpkfc_bench recipe [--workloads zoo_bundle_3d,pneumonia_cnn] [--arms own,auto]
+        [--epsilons 8] [--seeds 0] [--report-only]
+
+Arms, one protocol for all (the same data, split, epsilon, evaluation):
+
+- ``own``: the workload as its author wrote it: a bundle's own optimizer, lr, batch and
+  epochs (``--recipe bundle``), or a shipped config as shipped (its hand-tuned recipe);
+- ``auto``: ``recipe: auto`` -- a bundle with nothing but ``--epsilon``, a config with every
+  recipe field removed (data, network and privacy target kept).
+
+Workloads: ``zoo_bundle_3d`` (``dpkfc_bench/bundles/hippocampus_zoo_style``, a bundle written
+the Model Zoo way: UNet with BatchNorm and residual units, Adam 3e-3, batch 8), and the shipped
+configs ``pneumonia_cnn``, ``hippocampus_3d``, ``hippocampus_2d``, ``adrenal_cnn``. Each run
+goes through the CLI; its test metric is read from the custodian's ``metrics.json`` (test
+patients no run selected on). Results: ``dpkfc_bench/results/recipe.{json,md,png}``; an
+interrupted study resumes with the runs it lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dpkfc_bench.harness import (
+    RESULTS,
+    ROOT,
+    environment,
+    floats,
+    ints,
+    load_results,
+    pending,
+    record,
+    runs_dir,
+    save_results,
+    table,
+)
+
+OUT = RESULTS / "recipe"
+BUNDLE = ROOT / "dpkfc_bench" / "bundles" / "hippocampus_zoo_style"
+CONFIGS = {
+    "pneumonia_cnn": ("pneumoniamnist_cnn_2d_eps1.yaml", "test", "auroc"),
+    "hippocampus_3d": ("hippocampus_unet_3d_eps8.yaml", "test", "mean_dice"),
+    "hippocampus_2d": ("hippocampus_unet_2d_eps8.yaml", "test", "mean_dice"),
+}
+WORKLOADS = ("zoo_bundle_3d", *CONFIGS)
+ARMS = ("own", "auto")
+
+
+def _strip_recipe(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config with every field the rule may choose removed, and ``recipe: auto``."""
+    from dpkfc_med.recipe import RECIPE_FIELDS
+
+    out = yaml.safe_load(yaml.safe_dump(raw))
+    for field in RECIPE_FIELDS:
+        *parents, last = field.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    out.setdefault("training", {})["recipe"] = "auto"
+    return out
+
+
+def _command(job: dict[str, Any], run: Path, tmp: Path) -> list[str]:
+    w, arm, eps, seed = job["workload"], job["arm"], job["epsilon"], job["seed"]
+    common = ["--set", f"training.seed={seed}", "--set", "training.progress=false"]
+    if w == "zoo_bundle_3d":
+        cmd = ["bundle", "train", str(BUNDLE), "--epsilon", str(eps), "--out", str(run)]
+        return [*cmd, "--recipe", "bundle" if arm == "own" else "auto", *common]
+    raw = yaml.safe_load((ROOT / "configs" / CONFIGS[w][0]).read_text(encoding="utf-8"))
+    raw.setdefault("privacy", {})["target_epsilon"] = float(eps)
+    if arm == "auto":
+        raw = _strip_recipe(raw)
+    path = tmp / f"{w}_{arm}.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return ["train", str(path), "--out", str(run), *common]
+
+
+def _metric(job: dict[str, Any], run: Path) -> tuple[str, float | None, dict[str, Any]]:
+    import json
+
+    metrics = json.loads((run / "private_not_for_release" / "metrics.json").read_text("utf-8"))
+    test = metrics.get("test") or {}
+    if job["workload"] == "zoo_bundle_3d":
+        name = "test_mean_dice"
+    else:
+        name = CONFIGS[job["workload"]][2]
+        name = next((k for k in test if k.endswith(name)), name)
+    value = test.get(name)
+    report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
+    recipe = ((report.get("training") or {}).get("recipe") or {}).get("fields") or []
+    return name, (None if value is None else float(value)), {"recipe": recipe}
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One arm through the CLI; its test metric, minutes and the recipe it trained with."""
+    run = runs_dir("recipe") / f"{job['workload']}_{job['arm']}_eps{job['epsilon']:g}_s{job['seed']}"
+    if run.exists():
+        import shutil
+
+        shutil.rmtree(run)  # an interrupted run of this job: start it again
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "dpkfc_med.cli", *_command(job, run, Path(tmp))]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        minutes = (time.perf_counter() - t0) / 60
+    if proc.returncode != 0:
+        return {**job, "error": proc.stderr[-2000:], "minutes": minutes}
+    name, value, extra = _metric(job, run)
+    return {**job, "metric": name, "value": value, "minutes": round(minutes, 1), **extra}
+
+
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["workload"], r["arm"], float(r["epsilon"]), int(r["seed"]))
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown page: one row per workload and epsilon, one column per arm."""
+    runs = [r for r in data["runs"] if r.get("value") is not None]
+    groups: dict[tuple[str, float], dict[str, list[float]]] = {}
+    for r in runs:
+        groups.setdefault((r["workload"], float(r["epsilon"])), {}).setdefault(r["arm"], []).append(
+            r["value"]
+        )
+    rows = []
+    for (w, eps), arms in sorted(groups.items()):
+        cells = []
+        for arm in ARMS:
+            vals = arms.get(arm, [])
+            cells.append(
+                "-" if not vals else f"{sum(vals) / len(vals):.3f} (n={len(vals)})"
+            )
+        metric = next(r["metric"] for r in runs if r["workload"] == w)
+        rows.append([w, f"{eps:g}", metric, *cells])
+    lines = [
+        "# recipe: auto against the workload's own settings",
+        "",
+        "Generated by `python -m dpkfc_bench recipe`. Test metric on cases no run selected on;",
+        "`own` = the bundle's own hyperparameters (`--recipe bundle`) or the shipped hand-tuned",
+        "config; `auto` = `recipe: auto` with every recipe field left to the rule.",
+        "",
+        *table(["workload", "epsilon", "metric", *ARMS], rows),
+        "",
+        "## Runs",
+        "",
+        *table(
+            ["workload", "arm", "epsilon", "seed", "value", "minutes"],
+            [
+                [r["workload"], r["arm"], f"{r['epsilon']:g}", str(r["seed"]),
+                 "error" if r.get("value") is None else f"{r['value']:.3f}",
+                 f"{r.get('minutes', 0):.1f}"]
+                for r in data["runs"]
+            ],
+        ),  # fmt: skip
+    ]
+    for paragraph in data.get("reading") or []:
+        lines += ["", paragraph]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dpkfc_bench recipe", description=__doc__)
+    ap.add_argument("--workloads", default="zoo_bundle_3d,pneumonia_cnn")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--epsilons", type=floats, default=[8.0])
+    ap.add_argument("--seeds", type=ints, default=[0])
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args(argv)
+    path = OUT.with_suffix(".json")
+    data = load_results(path)
+    data.setdefault("environment", environment())
+    jobs = [
+        {"workload": w, "arm": a, "epsilon": e, "seed": s}
+        for w in args.workloads.split(",")
+        for e in args.epsilons
+        for s in args.seeds
+        for a in args.arms.split(",")
+    ]
+    data["runs"] = [r for r in data["runs"] if "error" not in r]  # failed runs: again
+    for job in [] if args.report_only else pending(jobs, data["runs"], _key):
+        print(f"recipe: {job}", flush=True)
+        result = run_job(job)
+        print(f"  -> {result.get('value', result.get('error', '')[-300:])}", flush=True)
+        record(path, data, result)
+    save_results(path, data)
+    OUT.with_suffix(".md").write_text(render(data), encoding="utf-8")
+    print(f"wrote {OUT.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
