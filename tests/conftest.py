@@ -1,9 +1,18 @@
-"""Shared fixtures: tiny 2D/3D nets, a deterministic probe source, thread limits."""
+"""Shared fixtures: tiny 2D/3D nets, a deterministic probe source, thread limits, and every
+test's own process state (seeds, locale, threads, logging, environment, paths)."""
 
 from __future__ import annotations
 
+import contextlib
+import locale
+import logging
 import os
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +26,112 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 SHARED_DATA = os.environ.get(
     "DPKFC_MED_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 )
+
+
+def _package_loggers() -> list[logging.Logger]:
+    """``dpkfc_med`` and its children (a run points them at its ``train.log``)."""
+    names = [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] == "dpkfc_med"]
+    return [logging.getLogger("dpkfc_med"), *map(logging.getLogger, names)]
+
+
+_FRESH_LOGGER: dict[str, Any] = {
+    "handlers": [],
+    "filters": [],
+    "level": logging.NOTSET,
+    "propagate": True,
+    "disabled": False,
+}
+"""How the package leaves its loggers (it adds no handler: a run adds its train.log's)."""
+
+
+def _restore_logger(logger: logging.Logger, state: dict[str, Any]) -> None:
+    for handler in list(logger.handlers):
+        if handler not in state["handlers"]:
+            logger.removeHandler(handler)
+            if isinstance(handler, logging.FileHandler):  # a run's train.log, in a tmp folder
+                handler.close()
+    for handler in state["handlers"]:
+        if handler not in logger.handlers:
+            logger.addHandler(handler)
+    logger.filters[:] = state["filters"]
+    logger.setLevel(state["level"])
+    logger.propagate, logger.disabled = state["propagate"], state["disabled"]
+
+
+def _restore_root_logger(level: int, handlers: list[logging.Handler]) -> None:
+    """The root's level; handlers a test added, except pytest's own (its capture per phase)."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+            if isinstance(handler, logging.FileHandler):
+                handler.close()
+
+
+def _restore_environ(saved: dict[str, str]) -> None:
+    for key in set(saved) | set(os.environ):
+        if key == "PYTEST_CURRENT_TEST":  # pytest's own, per test phase
+            continue
+        if key not in saved:
+            del os.environ[key]
+        elif os.environ.get(key) != saved[key]:
+            os.environ[key] = saved[key]
+
+
+# The state of a fresh process (after the thread limit above): each test ends there again,
+# also after a module- or session-scoped fixture that changed it before the test began.
+_FRESH_LOCALE = locale.setlocale(locale.LC_ALL)
+_FRESH_THREADS = torch.get_num_threads()
+_FRESH_DTYPE = torch.get_default_dtype()
+
+
+@contextlib.contextmanager
+def restored_process_state() -> Iterator[None]:
+    """Seed every generator, and leave the process as a fresh one (or as found) on exit.
+
+    Locale, threads, default dtype and the package's loggers return to a fresh process's;
+    working directory, ``sys.path``, environment, grad mode and the root logger to what they
+    were on entry.
+    """
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    cwd, path, environ = os.getcwd(), list(sys.path), dict(os.environ)
+    grad, disable = torch.is_grad_enabled(), logging.root.manager.disable
+    root_level, root_handlers = logging.getLogger().level, list(logging.getLogger().handlers)
+    try:
+        yield
+    finally:
+        if locale.setlocale(locale.LC_ALL) != _FRESH_LOCALE:
+            locale.setlocale(locale.LC_ALL, _FRESH_LOCALE)
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+        if sys.path != path:
+            sys.path[:] = path
+        _restore_environ(environ)
+        if torch.get_num_threads() != _FRESH_THREADS:
+            torch.set_num_threads(_FRESH_THREADS)
+        torch.set_default_dtype(_FRESH_DTYPE)
+        torch.set_grad_enabled(grad)
+        logging.disable(disable)
+        _restore_root_logger(root_level, root_handlers)
+        for logger in _package_loggers():
+            _restore_logger(logger, _FRESH_LOGGER)
+
+
+@pytest.fixture(autouse=True)
+def _own_process_state() -> Iterator[None]:
+    """Every test starts from the same seeds and leaves the process as it found it.
+
+    Run in one process, a test would otherwise see what earlier ones left: a training run
+    leaves the ``dpkfc_med`` log writing to its ``train.log`` with ``propagate=False``
+    (``caplog`` sees nothing after it) and may set ``training.threads``; SimpleITK's DICOM
+    writer (GDCM) sets the C locale, under which text read without an explicit encoding is
+    ASCII; ``monai.bundle run`` puts a bundle folder on ``sys.path``.
+    """
+    with restored_process_state():
+        yield
 
 
 class GaussianProbes:
