@@ -51,9 +51,9 @@ from dpkfc_bench.harness import (
     save_results,
     table,
 )
+from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import config_from_dict
 from dpkfc_med.training.run import train
-from dpkfc_med.training.task_build import build_task
 
 SUITES: dict[str, dict[str, Any]] = {
     "pneumonia_cnn": {

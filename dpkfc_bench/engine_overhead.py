@@ -104,10 +104,10 @@ def build_case(name: str, run_dir: Path, needed: int) -> Case:
 
     from dpkfc_med.engines.precision import check_precision
     from dpkfc_med.privacy.engine import PrivacyEngine
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.config import Method, load_config
     from dpkfc_med.training.plan import plan_privacy
     from dpkfc_med.training.setup import build_run_model, make_optimizer, seed_everything
-    from dpkfc_med.training.task_build import build_task
 
     path, overrides = CASES[name]
     cfg = load_config(ROOT / path, [*overrides, *COMMON, f"output.dir={run_dir / name}"])

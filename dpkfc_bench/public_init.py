@@ -145,9 +145,9 @@ def _test_dice(private_cfg: Any, run_dir: Path) -> dict[str, float]:
     """Test Dice on the private test cases of the network saved in ``run_dir``."""
     import yaml
 
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.config import config_from_dict
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.task_build import build_task
 
     own = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")))
     model, _ = build_run_model(own, build_task(own, public_probes=False), finetune=False)

@@ -51,10 +51,10 @@ from dpkfc_bench.harness import (
     table,
 )
 from dpkfc_med.privacy.selection import TrialCount, TuningPlan, plan_tuning
+from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import RunConfig, load_config
 from dpkfc_med.training.plan import plan_privacy
 from dpkfc_med.training.run import train
-from dpkfc_med.training.task_build import build_task
 from dpkfc_med.training.tune import TUNING_LEDGER, parse_grid, released_model, run_tuning
 
 TASKS: dict[str, dict[str, Any]] = {

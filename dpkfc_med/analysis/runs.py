@@ -34,9 +34,9 @@ def released_model(run_dir: str | Path) -> nn.Module:
     Raises:
         FileNotFoundError: The directory lacks ``config.yaml`` or ``model.pt``.
     """
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.config import config_from_dict
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.task_build import build_task
 
     run = Path(run_dir)
     missing = [n for n in ("config.yaml", "model.pt") if not (run / n).is_file()]
@@ -75,11 +75,11 @@ def public_proxy(
             checked (``describe()`` says so).
 
     Returns:
-        A :class:`~dpkfc_med.training.tasks.PublicProbeSource` (a probe source for
-        :func:`~dpkfc_med.analysis.probe_factors`).
+        A :class:`~dpkfc_med.tasks.classification.public_probes.PublicProbeSource` (a probe
+        source for :func:`~dpkfc_med.analysis.probe_factors`).
     """
     from dpkfc_med.data import load_medmnist, resolve_data_path
-    from dpkfc_med.training.tasks import PublicProbeSource
+    from dpkfc_med.tasks.classification.public_probes import PublicProbeSource
 
     priv = (
         None

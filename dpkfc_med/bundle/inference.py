@@ -9,7 +9,7 @@ engine's evaluation exactly:
   ``.npz``, ``uint8`` scaled to ``[0, 1]`` (other dtypes unchanged), a channel axis added, MONAI
   ``Resize`` when the run used ``data.resize``; the softmax of the logits is written to
   ``PRED/{split}_probabilities.csv`` with one row per image (``index,prob_<class>...``);
-* segmentation (:mod:`dpkfc_med.training.segmentation`): each NIfTI volume of the folder (or of
+* segmentation (:mod:`dpkfc_med.tasks.segmentation.task`): each NIfTI volume of the folder (or of
   its ``imagesTs/`` / ``imagesTr/``), z-scored over its nonzero voxels, padded to at least the
   training patch, predicted with a sliding-window inferer of that patch (overlap
   ``SW_OVERLAP``), the padding inverted, the argmax written as ``PRED/{name}_seg.nii.gz`` with
@@ -173,7 +173,7 @@ def _segmentation(
     cfg: Any, task: Mapping[str, Any], network_def: Mapping[str, Any]
 ) -> dict[str, Any]:
     from dpkfc_med.data.images2d import IMAGE_SUFFIXES as _PICTURES
-    from dpkfc_med.training.segmentation import SW_OVERLAP
+    from dpkfc_med.tasks.segmentation.task import SW_OVERLAP
 
     patch = [int(s) for s in task["spatial_shape"]]
     axis = getattr(getattr(cfg.data, "slices", None), "axis", None)

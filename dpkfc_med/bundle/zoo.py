@@ -445,8 +445,8 @@ def evaluate_bundle_run(
 
     from dpkfc_med.bundle.zoo_task import SPLIT_DATA, item_image_digest
     from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
+    from dpkfc_med.tasks.segmentation.metrics import write_metric_reports
     from dpkfc_med.training.predictions import CaseCollector
-    from dpkfc_med.training.segmentation_metrics import write_metric_reports
     from dpkfc_med.utils import write_json
 
     run = Path(run_dir)

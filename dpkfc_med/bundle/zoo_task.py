@@ -403,7 +403,7 @@ def _item_name(item: dict[str, Any]) -> str:
 def bundle_task(
     parser: Any, bundle: Path, unit_key: str | None, seed: int | None, fmt: dict[str, Any]
 ) -> Any:
-    """The private-engine :class:`~dpkfc_med.training.tasks.Task` of a bundle's components.
+    """The private-engine :class:`~dpkfc_med.tasks.base.Task` of a bundle's components.
 
     Args:
         parser: The bundle's train config (``load_bundle``).
@@ -412,7 +412,7 @@ def bundle_task(
         seed: The run seed keying each unit's random transforms (``None``: OS entropy).
         fmt: :func:`network_format` of the metadata.
     """
-    from dpkfc_med.training.tasks import Task
+    from dpkfc_med.tasks.base import Task
 
     data = config_value(parser, "train#dataset#data")
     units = _units(data, unit_key)

@@ -95,8 +95,8 @@ def train_on_this_rank(cfg: RunConfig, *, resume: bool = False, **kwargs: Any) -
         MechanismMismatchError: on every rank, when the ranks' training units differ in ids or
             order (both digests and the fix named).
     """
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.run import train
-    from dpkfc_med.training.task_build import build_task
 
     world = World.current()
     own, tmp = _rank_config(cfg, world, resume)

@@ -42,18 +42,18 @@ from dpkfc_med.data import (
 from dpkfc_med.data.cases import image_digest
 from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.report.custodian import EVALUATION_NOTE, EVALUATIONS_DIR, PRIVATE_DIR
-from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
-from dpkfc_med.training.predictions import save_prediction
-from dpkfc_med.training.segmentation_metrics import (
+from dpkfc_med.tasks.base import Task
+from dpkfc_med.tasks.build import build_task
+from dpkfc_med.tasks.segmentation.metrics import (
     dice_scores,
     hausdorff95_scores,
     summarise_cases,
     voxel_spacing,
     write_metric_reports,
 )
+from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
+from dpkfc_med.training.predictions import save_prediction
 from dpkfc_med.training.setup import build_run_model
-from dpkfc_med.training.task_build import build_task
-from dpkfc_med.training.tasks import Task
 from dpkfc_med.utils import write_json
 
 __all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run"]
@@ -195,7 +195,7 @@ def evaluate_cases(
     """Dice and Hausdorff-95 of each case of ``split``, written per case, with the summary.
 
     Each volume goes through the task's evaluation transform (kept as MONAI ``MetaTensor``),
-    is predicted as in :meth:`~dpkfc_med.training.segmentation.SegmentationTask.predict`, and
+    is predicted as in :meth:`~dpkfc_med.tasks.segmentation.task.SegmentationTask.predict`, and
     the prediction and label are taken back to the input's grid (MONAI ``Invertd``: the
     evaluation padding removed), where they are scored and saved.
 
@@ -211,7 +211,7 @@ def evaluate_cases(
         run: The run directory the returned paths are relative to.
 
     Returns:
-        :func:`~dpkfc_med.training.segmentation_metrics.summarise_cases`' figures,
+        :func:`~dpkfc_med.tasks.segmentation.metrics.summarise_cases`' figures,
         ``hd95_unit``, ``per`` for a 2D network on slices, and ``per_case`` (the files).
     """
     from monai.data import MetaTensor

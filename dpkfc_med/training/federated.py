@@ -96,10 +96,10 @@ def _site_main(
     import flwr
 
     _quiet_flower()
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.run import train
     from dpkfc_med.training.setup import build_run_model
     from dpkfc_med.training.setup import pretrain as _pretrain
-    from dpkfc_med.training.task_build import build_task
 
     torch.set_num_threads(threads)
 

@@ -26,6 +26,7 @@ from dpkfc_med.privacy.accounting import PrivacyLedger
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.render import plural
 from dpkfc_med.report.status import RunStatus
+from dpkfc_med.tasks.base import Task
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
 from dpkfc_med.training.plan import (
     PlanError,
@@ -34,7 +35,6 @@ from dpkfc_med.training.plan import (
     plan_privacy,
     resume_replans,
 )
-from dpkfc_med.training.tasks import Task
 from dpkfc_med.utils import atomic_write_bytes, write_json
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dpkfc_med.data import DataValidationError
-from dpkfc_med.training.segmentation_metrics import save_label_map
+from dpkfc_med.tasks.segmentation.metrics import save_label_map
 
 __all__ = ["CaseCollector", "save_prediction", "write_dicom_seg"]
 

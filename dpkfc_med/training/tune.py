@@ -204,8 +204,8 @@ def released_model(cfg: RunConfig, task: Any, model_pt: Path) -> torch.nn.Module
 
 
 def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan, int, Any]:
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.plan import plan_privacy
-    from dpkfc_med.training.task_build import build_task
 
     task = build_task(cfg, public_probes=False)
     n_units = len(task.train_set)  # type: ignore[arg-type]
@@ -243,8 +243,8 @@ def run_tuning(
         ConfigError: a non-private method, an existing tuning without ``resume``, or
             ``resume`` without one.
     """
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.run import train
-    from dpkfc_med.training.task_build import build_task
 
     out = Path(out)
     ledger_path = out / TUNING_LEDGER

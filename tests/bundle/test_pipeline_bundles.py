@@ -45,8 +45,8 @@ SAME = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_pipeline_bundle_is_its_run_config_in_the_model_zoo_layout(name):
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.task_build import build_task
 
     bundle = prepare_bundle(PIPELINES / name)
     cfg = load_config(CONFIGS[name])

@@ -91,9 +91,9 @@ def _steps(pm, popt, loader, *, steps, zero_loss=False, die_at=None):
 
 def _run_train_job(rank, out, job):
     """Train the job's config on this rank; rank 1's units are rank 0's in reverse order."""
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.config import load_config
     from dpkfc_med.training.distributed import train_on_this_rank
-    from dpkfc_med.training.task_build import build_task
 
     result: dict = {"rank": rank}
     try:

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from dpkfc_med.data import DataValidationError
 from dpkfc_med.privacy.engine import PrivacyEngine
+from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import ConfigError, config_from_dict
-from dpkfc_med.training.task_build import build_task
 from tests.conftest import SHARED_DATA, GaussianProbes, summed_clipped, tiny_cnn_2d
 
 ADRENAL = Path(SHARED_DATA) / "medmnist3d" / "adrenalmnist3d.npz"

@@ -336,7 +336,7 @@ def test_public_proxy_sharing_private_images_is_refused(tmp_path, capsys):
 
 def test_same_medmnist_dataset_at_another_resolution_is_refused(tmp_path):
     """Content hashes cannot match resized copies; the shared MedMNIST flag does."""
-    from dpkfc_med.training.tasks import PublicProbeSource
+    from dpkfc_med.tasks.classification.public_probes import PublicProbeSource
 
     private = tmp_path / "adrenalmnist3d.npz"
     src = dict(np.load(ADRENAL))
@@ -360,7 +360,7 @@ def test_same_medmnist_dataset_at_another_resolution_is_refused(tmp_path):
 
 def test_3d_public_proxy_serves_a_2d_task_through_its_central_slices(tmp_path):
     """Each volume gives its three central slices; a 2D proxy for a 3D task is refused."""
-    from dpkfc_med.training.tasks import PublicProbeSource
+    from dpkfc_med.tasks.classification.public_probes import PublicProbeSource
 
     src = dict(np.load(ADRENAL))
     public = tmp_path / "volumes.npz"
@@ -418,7 +418,7 @@ def test_resize_reaches_network_probes_and_report(tmp_path):
     rep = _report(out)
     assert rep["data"]["resize"] == [32, 32]
     assert rep["preconditioner"]["probe_source"]["spatial_shape"] == [32, 32]
-    from dpkfc_med.training.tasks import ResizeImage
+    from dpkfc_med.tasks.classification.task import ResizeImage
 
     img = torch.arange(28 * 28, dtype=torch.float32).reshape(1, 28, 28)
     out_img = ResizeImage((32, 32))(img)

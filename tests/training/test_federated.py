@@ -20,7 +20,8 @@ import pytest
 
 from dpkfc_med.cli import main
 from dpkfc_med.privacy.accounting import PrivacyLedger, epsilon_for
-from dpkfc_med.training import task_build, tasks
+from dpkfc_med.tasks import build as task_build
+from dpkfc_med.tasks.classification import task as tasks
 from dpkfc_med.training.federated import SITE_EVALUATION
 from tests.training.test_cli_classification import _config
 
@@ -58,13 +59,13 @@ RECORDER = textwrap.dedent(
         task_build.TASK_BUILDERS["classification"] = recorded(
             "task", task_build.TASK_BUILDERS["classification"]
         )
-        tasks = sys.modules["dpkfc_med.training.tasks"]  # imported by task_build
+        tasks = sys.modules["dpkfc_med.tasks.classification.task"]  # imported by build
         tasks.load_medmnist = recorded("load_medmnist", tasks.load_medmnist)
 
 
     class Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name != "dpkfc_med.training.task_build":
+            if name != "dpkfc_med.tasks.build":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

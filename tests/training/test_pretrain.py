@@ -69,10 +69,10 @@ def test_pretrain_refused_for_classification():
 def test_pretrained_weights_do_not_depend_on_the_private_data():
     """Same config, two different private training sets: bitwise the same pretrained model."""
     assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.setup import build_run_model
     from dpkfc_med.training.setup import pretrain as _pretrain
     from dpkfc_med.training.setup import seed_everything as _seed_everything
-    from dpkfc_med.training.task_build import build_task
 
     weights = []
     for subset in (
@@ -156,7 +156,7 @@ def _pretrained(cfg, task):
 def test_pretrain_cache_reuses_bitwise_the_weights_it_would_compute(tmp_path):
     """A cache hit loads exactly the weights of a fresh pretraining; any change of key misses."""
     assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
-    from dpkfc_med.training.task_build import build_task
+    from dpkfc_med.tasks.build import build_task
 
     cache = tmp_path / "cache"
     cfg = load_config(CONFIG, TINY + ["data.max_train=4", "pretrain.cache_dir=null"])
@@ -190,7 +190,7 @@ def test_pretrain_cache_reuses_bitwise_the_weights_it_would_compute(tmp_path):
 
 def test_pretraining_is_cached_beside_the_run_by_default(tmp_path):
     """A retried run (another run folder under the same parent) reuses the pretraining."""
-    from dpkfc_med.training.task_build import build_task
+    from dpkfc_med.tasks.build import build_task
 
     cfg = load_config(CONFIG, TINY + ["data.max_train=4", f"output.dir={tmp_path / 'runs' / 'a'}"])
     assert cfg.pretrain.cache_dir == "auto"

@@ -161,7 +161,7 @@ def test_removing_one_patient_moves_clipped_sum_by_at_most_c(method, float64):
     from torch import nn
 
     from dpkfc_med.privacy.engine import PrivacyEngine
-    from dpkfc_med.training.segmentation import SegmentationTask, VolumeCollate
+    from dpkfc_med.tasks.segmentation.task import SegmentationTask, VolumeCollate
 
     torch.manual_seed(0)
     k, patch, classes = 3, (6, 6, 6), 3
@@ -227,8 +227,8 @@ def test_removing_one_patient_moves_clipped_sum_by_at_most_c(method, float64):
 def test_training_patches_of_a_patient_do_not_depend_on_other_patients_drawn():
     """The task's training set: patient A's n-th draw has the same patches whether or not
     other patients were drawn before it (a stream shared by all patients would differ)."""
+    from dpkfc_med.tasks.segmentation.build import build as build_segmentation_task
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.segmentation_build import build as build_segmentation_task
 
     cfg = load_config(CONFIG, TINY)
 
@@ -260,7 +260,7 @@ def _probe_cfg():
 
 
 def test_collate_handles_empty_poisson_batch_and_unpack_shapes():
-    from dpkfc_med.training.segmentation import SegmentationTask, VolumeCollate
+    from dpkfc_med.tasks.segmentation.task import SegmentationTask, VolumeCollate
 
     collate = VolumeCollate(2, 1, (4, 5, 6))
     empty = collate([])
@@ -368,7 +368,7 @@ def test_training_loss_gives_exact_per_patch_gradients(float64):
     from opacus import GradSampleModule
     from torch import nn
 
-    from dpkfc_med.training.segmentation import SegmentationTask
+    from dpkfc_med.tasks.segmentation.task import SegmentationTask
 
     torch.manual_seed(3)
     task = SegmentationTask("segmentation", 3, 1, 3, (4, 4, 4), None, [], {})  # type: ignore[arg-type]
@@ -402,7 +402,7 @@ def _hd95_brute_force(pred: np.ndarray, true: np.ndarray, spacing) -> float:
 
 
 def test_hausdorff95_matches_brute_force_and_flags_absent_and_missed_classes():
-    from dpkfc_med.training.segmentation import hausdorff95_scores
+    from dpkfc_med.tasks.segmentation.task import hausdorff95_scores
 
     rng = np.random.default_rng(0)
     true = np.zeros((12, 14, 10), dtype=np.int64)

@@ -159,8 +159,8 @@ def test_removing_one_patient_moves_clipped_sum_of_its_slices_by_at_most_c(
 
     from dpkfc_med.data.slices import SliceRule
     from dpkfc_med.privacy.engine import PrivacyEngine
+    from dpkfc_med.tasks.segmentation.task import SegmentationTask, VolumeCollate
     from dpkfc_med.training.config import config_from_dict
-    from dpkfc_med.training.segmentation import SegmentationTask, VolumeCollate
 
     torch.manual_seed(0)
     classes, plane = 3, (6, 6)
@@ -209,8 +209,8 @@ def test_removing_one_patient_moves_clipped_sum_of_its_slices_by_at_most_c(
 def test_a_patients_slices_do_not_depend_on_other_patients_drawn(tmp_path):
     """Through the task's own training set: patient A's n-th draw takes the same slices
     whether or not other patients were drawn before it."""
+    from dpkfc_med.tasks.segmentation.build import build as build_segmentation_task
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.segmentation_build import build as build_segmentation_task
 
     cfg = load_config(CONFIG, [*TINY, "data.slices.per_unit=3", f"output.dir={tmp_path}"])
     alone = build_segmentation_task(cfg).train_set
@@ -234,7 +234,7 @@ def test_2d_dice_and_hd95_against_a_hand_computed_case():
     half of each ring's pixels lie on the other ring (distance 0), the rest one pixel away
     along x, so the 95th percentile of the distances both ways is 1 pixel = 2 mm.
     """
-    from dpkfc_med.training.segmentation import dice_scores, hausdorff95_scores
+    from dpkfc_med.tasks.segmentation.task import dice_scores, hausdorff95_scores
 
     label = torch.zeros(1, 1, 10, 9, dtype=torch.int64)
     label[0, 0, 2:6, 2:6] = 1
@@ -341,8 +341,8 @@ def test_images_with_different_channels_are_refused_naming_the_files(tmp_path, c
 
 def test_every_slice_makes_the_count_per_patient_a_private_fact(tmp_path):
     """per_unit: null: a volume's samples are all its slices; the bound is not published."""
+    from dpkfc_med.tasks.segmentation.build import build as build_segmentation_task
     from dpkfc_med.training.config import load_config
-    from dpkfc_med.training.segmentation_build import build as build_segmentation_task
 
     cfg = load_config(CONFIG, [*TINY, "data.slices.per_unit=null", f"output.dir={tmp_path}"])
     task = build_segmentation_task(cfg)
@@ -356,8 +356,8 @@ def test_every_slice_makes_the_count_per_patient_a_private_fact(tmp_path):
 
 
 def test_slices_are_refused_for_classification():
+    from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.config import ConfigError, config_from_dict
-    from dpkfc_med.training.task_build import build_task
 
     cfg = config_from_dict({"data": {"path": "pneumoniamnist", "slices": {"axis": 2}}})
     with pytest.raises(ConfigError, match="data.slices: applies to segmentation"):

@@ -1,8 +1,10 @@
-"""A run's task from its config: each ``data.task``'s builder, the data-field checks, shards.
+"""A run's task from its config: the registry of task builders, the data-field checks, shards.
 
-:func:`build_task` validates the data fields that apply to the task, builds the task (loading
-and validating every case or image), takes a site's shard for federated runs, and for
-``dp-kfc-public`` loads the public proxy and refuses one that overlaps the private data.
+Each :class:`~dpkfc_med.tasks.kinds.TaskKind` has one builder, registered with
+:func:`register_task`; :func:`build_task` validates the data fields that apply to the task,
+calls the builder of ``data.task`` (loading and validating every case or image), takes a
+site's shard for federated runs, and for ``dp-kfc-public`` loads the public proxy and refuses
+one that overlaps the private data.
 """
 
 from __future__ import annotations
@@ -13,29 +15,62 @@ from pathlib import Path
 from torch.utils.data import Subset
 
 from dpkfc_med.methods import Method
+from dpkfc_med.tasks.base import Task
+from dpkfc_med.tasks.classification.task import classification_task
+from dpkfc_med.tasks.kinds import TaskKind
 from dpkfc_med.training.config import ConfigError, RunConfig
-from dpkfc_med.training.tasks import Task, classification_task
 
-__all__ = ["TASK_BUILDERS", "build_task"]
+__all__ = ["TASK_BUILDERS", "TaskBuilder", "build_task", "register_task", "task_builder"]
+
+TaskBuilder = Callable[[RunConfig, str | None], Task]
+"""``builder(cfg, data_path) -> Task``: the task of ``cfg`` (``data_path`` overrides the folder)."""
+
+TASK_BUILDERS: dict[TaskKind, TaskBuilder] = {}
+"""The builder of each task kind (``data.task``), filled by :func:`register_task`."""
+
+
+def register_task(kind: TaskKind | str, builder: TaskBuilder) -> TaskBuilder:
+    """Register ``builder`` as the one builder of the task kind ``kind``.
+
+    Raises:
+        ValueError: ``kind`` is no :class:`TaskKind`, or already has a builder.
+    """
+    kind = TaskKind(kind)
+    if kind in TASK_BUILDERS:
+        raise ValueError(f"task kind {kind.value!r} already has a builder registered")
+    TASK_BUILDERS[kind] = builder
+    return builder
+
+
+def task_builder(kind: TaskKind | str) -> TaskBuilder:
+    """The registered builder of ``kind``.
+
+    Raises:
+        ConfigError: ``kind`` has no builder (naming the kinds that have one).
+    """
+    try:
+        return TASK_BUILDERS[TaskKind(kind)]
+    except (KeyError, ValueError):
+        known = ", ".join(repr(k.value) for k in TASK_BUILDERS)
+        raise ConfigError(
+            [f"data.task={str(kind)!r}: no task builder registered; known: {known}"]
+        ) from None
 
 
 def _segmentation_task(cfg: RunConfig, data_path: str | None = None) -> Task:
     # Imported when used: MONAI transforms and readers are only needed for segmentation.
-    from dpkfc_med.training.segmentation_build import build
+    from dpkfc_med.tasks.segmentation.build import build
 
     return build(cfg, data_path)
 
 
-TASK_BUILDERS: dict[str, Callable[[RunConfig, str | None], Task]] = {
-    "classification": classification_task,
-    "segmentation": _segmentation_task,
-}
-"""The builder of each ``data.task``."""
+register_task(TaskKind.CLASSIFICATION, classification_task)
+register_task(TaskKind.SEGMENTATION, _segmentation_task)
 
 
 def _data_field_problems(cfg: RunConfig) -> list[str]:
     d, problems = cfg.data, []
-    if d.task != "classification":
+    if d.task != TaskKind.CLASSIFICATION:
         # data.num_classes is shared: a segmentation folder without dataset.json labels needs it
         if d.unit_ids is not None:
             problems.append(
@@ -81,10 +116,7 @@ def build_task(
     """
     if problems := _data_field_problems(cfg):
         raise ConfigError(problems, "data")
-    builder = TASK_BUILDERS.get(cfg.data.task)
-    if builder is None:
-        raise ConfigError([f"data.task={cfg.data.task!r}: no pipeline registered"])
-    task = builder(cfg, None if data_path is None else str(data_path))
+    task = task_builder(cfg.data.task)(cfg, None if data_path is None else str(data_path))
     if cfg.data.shard is not None:
         k, n = cfg.data.shard
         units = len(task.train_set)  # type: ignore[arg-type]

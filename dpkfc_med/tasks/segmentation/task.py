@@ -1,9 +1,9 @@
 """Segmentation task: NIfTI / PNG folders, one volume or image per privacy unit, Dice by windows.
 
-The trainer (:mod:`.run`) is generic; this module tells it how to read a segmentation folder
-(``imagesTr/`` + ``labelsTr/`` or an MSD ``dataset.json``; ``images/`` + ``masks/`` of PNG),
-how to batch patches, which losses to use and how to evaluate. One code path serves 3D
-volumes, 2D images and 2D slices of volumes (:mod:`.segmentation_layout`): the number of
+The trainer (:mod:`dpkfc_med.engines.trainer`) is generic; this module tells it how to read a
+segmentation folder (``imagesTr/`` + ``labelsTr/`` or an MSD ``dataset.json``; ``images/`` +
+``masks/`` of PNG), how to batch patches, which losses to use and how to evaluate. One code
+path serves 3D volumes, 2D images and 2D slices of volumes (:mod:`.layout`): the number of
 spatial axes is a value, as in MONAI.
 
 Privacy unit:
@@ -53,12 +53,12 @@ from torch import Tensor, nn
 from dpkfc_med.data import (
     save_split,
 )
-from dpkfc_med.training.segmentation_batches import CachedVolumes, VolumeCollate
-from dpkfc_med.training.segmentation_layout import (
+from dpkfc_med.tasks.base import Task
+from dpkfc_med.tasks.segmentation.batches import CachedVolumes, VolumeCollate
+from dpkfc_med.tasks.segmentation.layout import (
     UNIT_VOLUME,
 )
-from dpkfc_med.training.segmentation_metrics import dice_scores, hausdorff95_scores, voxel_spacing
-from dpkfc_med.training.tasks import Task
+from dpkfc_med.tasks.segmentation.metrics import dice_scores, hausdorff95_scores, voxel_spacing
 
 __all__ = [
     "hausdorff95_scores",

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from dpkfc_med.data import MedMNISTDataset, load_medmnist, resolve_data_path
 from dpkfc_med.data.fingerprint import count_shared, image_digests
+from dpkfc_med.tasks.kinds import TaskKind
 from dpkfc_med.training.config import ConfigError
 
 __all__ = ["PublicProbeSource"]
@@ -89,11 +90,11 @@ class PublicProbeSource:
         spatial_shape: tuple[int, ...],
         channels: int,
         num_classes: int,
-        task: str,
+        task: TaskKind | str,
         private: MedMNISTDataset | None = None,
         allow_overlap: bool = False,
     ) -> None:
-        if task != "classification":
+        if task != TaskKind.CLASSIFICATION:
             raise ConfigError(["method dp-kfc-public supports classification only"])
         self.path = resolve_data_path(path)
         data = load_medmnist(self.path, infer_classes=True)  # public proxy data

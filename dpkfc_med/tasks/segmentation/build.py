@@ -1,6 +1,6 @@
 """Build a segmentation task from a folder: validate every case, split, transforms, probe shape.
 
-:func:`build` is the ``segmentation`` builder of :data:`~.task_build.TASK_BUILDERS`.
+:func:`build` is the ``segmentation`` builder of :data:`~dpkfc_med.tasks.build.TASK_BUILDERS`.
 """
 
 from __future__ import annotations
@@ -27,20 +27,17 @@ from dpkfc_med.data import (
     sha256_file,
 )
 from dpkfc_med.data.cases import image_digest
-from dpkfc_med.training.config import ConfigError, RunConfig
-from dpkfc_med.training.segmentation_layout import (
+from dpkfc_med.tasks.kinds import TaskKind
+from dpkfc_med.tasks.segmentation.batches import CachedPrefix, CachedVolumes, VolumeCollate
+from dpkfc_med.tasks.segmentation.layout import (
     SegmentationLayout,
     case_shape_problems,
     resolve_layout,
 )
+from dpkfc_med.tasks.segmentation.task import SegmentationTask
+from dpkfc_med.training.config import ConfigError, RunConfig
 
 __all__ = ["build"]
-
-
-from dpkfc_med.training.segmentation import (  # noqa: E402
-    SegmentationTask,
-)
-from dpkfc_med.training.segmentation_batches import CachedPrefix, CachedVolumes, VolumeCollate
 
 
 def _patch_size(
@@ -352,7 +349,7 @@ def _build_task(cfg: RunConfig, data_path: str | None) -> SegmentationTask:
         "intensity": "z-score per volume over nonzero voxels (no dataset-wide statistic)",
     }
     return SegmentationTask(
-        kind="segmentation",
+        kind=TaskKind.SEGMENTATION,
         spatial_dims=layout.spatial_dims,
         in_channels=in_channels,
         num_classes=num_classes,
