@@ -2,7 +2,7 @@
 
 from dpkfc_med.data.cases import SegmentationCase, SegmentationCases
 from dpkfc_med.data.dicom import list_dicom_series, read_dicom_series
-from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
+from dpkfc_med.data.errors import AmbiguousFormatError, DataNotFoundError, DataValidationError
 from dpkfc_med.data.fingerprint import count_shared, image_digests
 from dpkfc_med.data.medmnist import (
     MedMNISTDataset,
@@ -36,6 +36,7 @@ from dpkfc_med.data.units import (
 from dpkfc_med.data.volumes import VolumeDataset
 
 __all__ = [
+    "AmbiguousFormatError",
     "DATA_ENV_VAR",
     "CropMode",
     "DataNotFoundError",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["DataNotFoundError", "DataValidationError"]
+__all__ = ["AmbiguousFormatError", "DataNotFoundError", "DataValidationError"]
 
 
 class DataValidationError(ValueError):
@@ -26,6 +26,29 @@ class DataValidationError(ValueError):
         n = len(self.problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{self.source}: {n} problem{'s' if n != 1 else ''} found:\n{lines}")
+
+
+class AmbiguousFormatError(DataValidationError):
+    """Two or more registered data formats recognise the same folder.
+
+    The readers never guess by an order: the user removes the files of the layout they do not
+    mean, or names the format.
+
+    Attributes:
+        formats: The names of the formats that recognise the folder, sorted.
+    """
+
+    def __init__(self, source: str | Path, formats: dict[str, str]) -> None:
+        self.formats = sorted(formats)
+        named = "; ".join(f"{name!r} ({formats[name]})" for name in self.formats)
+        super().__init__(
+            source,
+            [
+                f"the folder matches {len(formats)} data formats: {named}; remove the files of "
+                "the layout you do not mean, or name the format (load_segmentation_folder(..., "
+                f"format=NAME) with NAME one of {self.formats})"
+            ],
+        )
 
 
 class DataNotFoundError(FileNotFoundError):

@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dpkfc_med.data.case_folders import is_case_folder_layout, load_case_folders
 from dpkfc_med.data.cases import (
     SegmentationCase,
     SegmentationCases,
@@ -32,6 +31,7 @@ from dpkfc_med.data.cases import (
 )
 from dpkfc_med.data.dicom_folders import is_dicom_series_folder, load_dicom_segmentation_folder
 from dpkfc_med.data.errors import DataValidationError
+from dpkfc_med.data.formats import ReadOptions, data_format, detect_format
 from dpkfc_med.data.images2d import is_image_mask_folder, load_image_mask_folder
 from dpkfc_med.data.splits import deterministic_split, load_split, save_split
 from dpkfc_med.data.transforms import CropMode, IntensityNorm, segmentation_transforms
@@ -200,6 +200,7 @@ def load_segmentation_folder(
     dicom_series: str | None = None,
     cache_dir: str | Path | None = None,
     channels: Sequence[str] | None = None,
+    format: str | None = None,
 ) -> SegmentationCases:
     """Index a segmentation dataset folder from its NIfTI (or PNG / JPEG) headers.
 
@@ -227,8 +228,10 @@ def load_segmentation_folder(
             the ``SeriesDescription`` to read where a case has several.
         cache_dir: For DICOM series: where their NIfTI conversions are kept.
         channels: The input channels' names in order (``data.channels``): for one folder per
-            case (BraTS, :mod:`.case_folders`) the modality file suffixes, required; for
-            other NIfTI folders the channel count every case must have.
+            case (BraTS, :mod:`.formats.case_folders`) the modality file suffixes, required;
+            for other NIfTI folders the channel count every case must have.
+        format: The name of a registered format (:mod:`.formats`) to read the folder as,
+            for a folder that several formats recognise; ``None``: the one that recognises it.
 
     Returns:
         :class:`SegmentationCases`, sorted by case ID.
@@ -236,6 +239,7 @@ def load_segmentation_folder(
     Raises:
         DataValidationError: Listing every problem: missing folder or files, unpaired
             files, unreadable headers, image/label shape or spacing mismatch.
+        AmbiguousFormatError: Two registered formats recognise the folder (naming both).
     """
     root = Path(path).expanduser()
     if on_unpaired not in ("error", "warn"):
@@ -248,6 +252,9 @@ def load_segmentation_folder(
                 "(--data PATH, or resolve_data_path(..., kind='dir'))"
             ],
         )
+    options = ReadOptions(num_classes, on_unpaired, case_ids, dicom_series, cache_dir, channels)
+    if format is not None:
+        return data_format(format).read(root, options)
     if is_image_mask_folder(root) and not (root / "imagesTr").is_dir():
         return load_image_mask_folder(
             root, num_classes=num_classes, on_unpaired=on_unpaired, case_ids=case_ids
@@ -263,15 +270,9 @@ def load_segmentation_folder(
             cache_dir=cache_dir,
         )
 
-    # after DICOM: a DICOM case folder may hold its NIfTI label as <case>_seg.nii.gz
-    if is_case_folder_layout(root):
-        return load_case_folders(
-            root,
-            channels=channels,
-            num_classes=num_classes,
-            on_unpaired=on_unpaired,
-            case_ids=case_ids,
-        )
+    chosen = detect_format(root)
+    if chosen is not None:
+        return chosen.read(root, options)
 
     meta: dict[str, Any] = {}
     index = root / "dataset.json"

@@ -5,6 +5,11 @@ The BraTS challenges ship ``<root>/<case>/<case>_<modality>.nii.gz`` with the la
 ``BraTS-GLI-00000-000-t2f.nii.gz``). Which files are the channels, and in which order, comes from
 the config (``data.channels``, e.g. ``[t1n, t1c, t2w, t2f]``), never from the files found, so
 that the network's input does not depend on what one case happens to hold.
+
+This module is the worked example of a data format: one reader registered with
+:func:`~dpkfc_med.data.formats.registry.register_format` (its name, how to recognise the
+layout from file names, how to read it), and one import line in
+:mod:`dpkfc_med.data.formats`.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from dpkfc_med.data.cases import (
     is_nifti_file,
 )
 from dpkfc_med.data.errors import DataValidationError
+from dpkfc_med.data.formats.registry import ReadOptions, register_format
 
-__all__ = ["is_case_folder_layout", "load_case_folders"]
+__all__ = ["is_case_folder_layout", "load_case_folders", "read_case_folders"]
 
 LABEL_SUFFIX = "seg"
 _SUFFIXES = (".nii.gz", ".nii")
@@ -44,15 +50,18 @@ def _case_dirs(root: Path) -> list[Path]:
 
 
 def is_case_folder_layout(root: Path) -> bool:
-    """Whether ``root`` holds one folder per case with a ``<case>_seg`` label file in them.
+    """Whether ``root`` holds one folder per case with NIfTI files named after the case.
 
-    Only the first few case folders are looked at; ``imagesTr/`` or a ``dataset.json`` mean
-    another layout.
+    A case folder of this layout holds its label ``<case>_seg.nii(.gz)`` and at least one
+    channel ``<case>_<modality>.nii(.gz)``; a folder of DICOM series with its label as
+    ``<case>_seg.nii.gz`` has no such channel file. Only the names in the first few case
+    folders are looked at; ``imagesTr/`` or a ``dataset.json`` mean another layout.
     """
     if (root / "imagesTr").is_dir() or (root / "dataset.json").is_file():
         return False
     for folder in _case_dirs(root)[:3]:
-        if any(_suffix(folder.name, p) == LABEL_SUFFIX for p in folder.iterdir()):
+        suffixes = {_suffix(folder.name, p) for p in folder.iterdir()} - {None}
+        if LABEL_SUFFIX in suffixes and len(suffixes) > 1:
             return True
     return False
 
@@ -131,7 +140,7 @@ def load_case_folders(
         checked.append(check_nifti_case(cid, images, label, len(channels), "data.channels"))
     if dropped:
         warnings.warn(
-            f"{root}: skipped {len(dropped)} case(s): " + "; ".join(dropped), stacklevel=3
+            f"{root}: skipped {len(dropped)} case(s): " + "; ".join(dropped), stacklevel=4
         )
     return collect_cases(
         root,
@@ -141,4 +150,20 @@ def load_case_folders(
         num_classes=num_classes,
         source="case folders",
         dropped=dropped,
+    )
+
+
+@register_format(
+    "case-folders",
+    recognise=is_case_folder_layout,
+    layout="<case>/<case>_<modality>.nii.gz + <case>_seg.nii.gz, the BraTS layout",
+)
+def read_case_folders(root: Path, options: ReadOptions) -> SegmentationCases:
+    """Read a BraTS-style folder: :func:`load_case_folders` with ``options``."""
+    return load_case_folders(
+        root,
+        channels=options.channels,
+        num_classes=options.num_classes,
+        on_unpaired=options.on_unpaired,
+        case_ids=options.case_ids,
     )
