@@ -292,15 +292,12 @@ def _load_run_config(args: argparse.Namespace) -> Any:
         return load_config(args.config, overrides)
     except ConfigError as err:
         # name the option the user typed (--epsilon -1), not the override it became
-        problems, renamed = [], False
-        for problem in err.problems:
-            for item, flag in flags.items():
-                if problem.startswith(f"--set {item}:"):
-                    problem, renamed = flag + problem[len(f"--set {item}") :], True
-            problems.append(problem)
-        source = str(err).split(":\n", 1)[0].removeprefix("config error in ")
-        if renamed:
-            source = source.replace("--set overrides", "command-line options")
+        problems, source = list(err.problems), err.source
+        for i, culprit in enumerate(err.set_by):
+            if culprit is not None and culprit[0] in flags:
+                problems[i] = f"{flags[culprit[0]]}: {culprit[1]}"
+                source = f"{err.file} and its" if err.file else "the"
+                source += " command-line options"
         raise ConfigError(problems, source) from None
 
 

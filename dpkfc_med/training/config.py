@@ -45,10 +45,26 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """One or more problems in a run configuration."""
+    """One or more problems in a run configuration.
 
-    def __init__(self, problems: list[str], source: str = "config") -> None:
-        self.problems = problems
+    Attributes:
+        problems: One line per problem, e.g. ``"training.lr: must be > 0, got -1"``.
+        source: Where the problems are, in words (a file, ``"the --set overrides"``, ...).
+        set_by: Per problem, ``(KEY=VALUE, what is wrong)`` when a ``--set`` override is its
+            culprit, else ``None``; empty when nothing was attributed.
+        file: The YAML file holding the problems not attributed to an override, if any.
+    """
+
+    def __init__(
+        self,
+        problems: list[str],
+        source: str = "config",
+        *,
+        set_by: list[tuple[str, str] | None] | None = None,
+        file: str | None = None,
+    ) -> None:
+        self.problems, self.source = problems, source
+        self.set_by, self.file = list(set_by or []), file
         super().__init__(f"config error in {source}:\n  " + "\n  ".join(problems))
 
 
@@ -590,4 +606,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     try:
         return config_from_dict(data, str(p))
     except ConfigError as err:
-        raise ConfigError(*attribute_overrides(err.problems, overrides or [], str(p))) from None
+        named = attribute_overrides(err.problems, overrides or [], str(p))
+        raise ConfigError(
+            named.problems, named.source, set_by=named.set_by, file=named.file
+        ) from None

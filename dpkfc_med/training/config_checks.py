@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from dpkfc_med.curvature.cost import refresh_settings_problems
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
@@ -25,7 +25,14 @@ from dpkfc_med.probes.sources import NoiseKind, TargetRule
 from dpkfc_med.recipe.apply import RECIPES
 from dpkfc_med.utils import did_you_mean
 
-__all__ = ["CHOICES", "POSITIVE", "attribute_overrides", "flatten", "value_problems"]
+__all__ = [
+    "CHOICES",
+    "POSITIVE",
+    "Attributed",
+    "attribute_overrides",
+    "flatten",
+    "value_problems",
+]
 
 
 CHOICES: dict[str, list[str]] = {
@@ -266,24 +273,37 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def attribute_overrides(
-    problems: list[str], overrides: list[str], path: str
-) -> tuple[list[str], str]:
-    """Problems of overridden fields attributed to their ``--set``, not to the YAML file.
+class Attributed(NamedTuple):
+    """A config's problems, each attributed to the YAML file or to one ``--set`` override.
 
-    Returns:
-        The problems (those of an overridden field as ``--set KEY=VALUE: ...``) and their
-        source in words.
+    Attributes:
+        problems: One line each, those of an overridden field as ``--set KEY=VALUE: ...``.
+        source: Where they are, in words.
+        set_by: Per problem, ``(KEY=VALUE, what is wrong)`` when an override is its culprit,
+            else ``None``.
+        file: The YAML file when any problem is in it, else ``None``.
     """
+
+    problems: list[str]
+    source: str
+    set_by: list[tuple[str, str] | None]
+    file: str | None
+
+
+def attribute_overrides(problems: list[str], overrides: list[str], path: str) -> Attributed:
+    """Problems of overridden fields attributed to their ``--set``, not to the YAML file."""
     keys = {item.split("=", 1)[0].strip(): item for item in overrides if "=" in item}
-    named, from_file = [], False
+    named: list[str] = []
+    set_by: list[tuple[str, str] | None] = []
     for problem in problems:
         item = keys.get(problem.split("=", 1)[0].split(":", 1)[0].strip())
         if item is None:
-            from_file = True
             named.append(problem)
+            set_by.append(None)
         else:
-            named.append(f"--set {item}: {problem.split(': ', 1)[-1]}")
-    if from_file:
-        return named, f"{path} and its --set overrides" if keys else path
-    return named, "the --set overrides"
+            what = problem.split(": ", 1)[-1]
+            named.append(f"--set {item}: {what}")
+            set_by.append((item, what))
+    if None in set_by:
+        return Attributed(named, f"{path} and its --set overrides" if keys else path, set_by, path)
+    return Attributed(named, "the --set overrides", set_by, None)
