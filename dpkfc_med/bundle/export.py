@@ -47,6 +47,7 @@ from dpkfc_med.bundle.network import network_definition
 from dpkfc_med.bundle.tuned import TUNING_REPORT_FILES, check_tuning, is_tuning, tuning_dp_block
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.numbers import format_epsilon
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.writer import REPORT_FILES
 from dpkfc_med.utils import atomic_write_bytes
 
@@ -70,18 +71,18 @@ def _check_run(run: Path) -> tuple[dict[str, Any], dict[str, float] | None]:
         raise BundleExportError([f"{run}: no such run directory (dpkfc-med train ... --out)"], run)
     problems: list[str] = []
     status = _json(run / RUN_JSON).get("status") if (run / RUN_JSON).is_file() else None
-    if status != "complete":
+    if status != RunStatus.COMPLETE:
         problems.append(
             f"{run / RUN_JSON}: status {status!r}, not 'complete' (the run stopped before its "
             f"last epoch and has no final model); {resume}"
         )
     for name in (MODEL, CONFIG, REPORT_FILES["json"]):
-        if not (run / name).is_file() and not (name == MODEL and status != "complete"):
+        if not (run / name).is_file() and not (name == MODEL and status != RunStatus.COMPLETE):
             problems.append(f"{run / name}: missing; export needs a finished run ({resume})")
     report: dict[str, Any] = {}
     if (run / REPORT_FILES["json"]).is_file():
         report = _json(run / REPORT_FILES["json"])
-        if report.get("status") != "complete" and status == "complete":
+        if report.get("status") != RunStatus.COMPLETE and status == RunStatus.COMPLETE:
             problems.append(
                 f"{run / REPORT_FILES['json']}: status {report.get('status')!r}; re-render it "
                 f"with `dpkfc-med report {run}` or {resume}"

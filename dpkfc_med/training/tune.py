@@ -46,6 +46,7 @@ from dpkfc_med.methods import Method
 from dpkfc_med.privacy.selection import TrialCount, TuningPlan, plan_tuning
 from dpkfc_med.report.custodian import CONFIG_PATHS, PRIVATE_DIR
 from dpkfc_med.report.numbers import format_epsilon
+from dpkfc_med.report.status import RunStatus
 from dpkfc_med.training.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from dpkfc_med.utils import write_json
 
@@ -305,7 +306,7 @@ def run_tuning(
         status = None
         if (run_dir / "run.json").is_file():
             status = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("status")
-        if status != "complete":  # a stopped trial continues within its own plan
+        if status != RunStatus.COMPLETE:  # a stopped trial continues within its own plan
             again = status is not None or (run_dir / "ledger.json").is_file()
             train(tcfg, resume=again)
         task = task if task is not None else build_task(tcfg, public_probes=False)
