@@ -78,9 +78,14 @@ def _set(cfg: Any, field: str, value: Any) -> None:
 
 def _apply(cfg: RunConfig, choices: list[Choice], fields: tuple[str, ...]) -> list[dict[str, Any]]:
     given = frozenset(cfg.set_by_user)
+    chosen = set(cfg.training.recipe_chosen)  # a resumed run: its stored config holds them
     rows = []
     for c in choices:
         if c.field not in fields:
+            continue
+        if c.field in chosen:
+            rows.append({"field": c.field, "value": _get(cfg, c.field), "origin": BY_RULE,
+                         "why": c.why})  # fmt: skip
             continue
         if _is_set(c.field, given):
             rows.append({"field": c.field, "value": _get(cfg, c.field), "origin": SET_BY_YOU})
@@ -145,6 +150,7 @@ def recipe_after_task(cfg: RunConfig, facts: PublicFacts) -> RunConfig:
     out.recipe_rows = [*cfg.recipe_rows, *_apply(out, choose(facts), other)]
     order = {f: i for i, f in enumerate(RECIPE_FIELDS)}
     out.recipe_rows.sort(key=lambda r: order[r["field"]])
+    out.training.recipe_chosen = [r["field"] for r in out.recipe_rows if r["origin"] == BY_RULE]
     for row in out.recipe_rows:
         note = f" ({row['why']})" if row.get("why") else ""
         log.info("recipe: %s = %s, %s%s", row["field"], row["value"], row["origin"], note)

@@ -17,15 +17,15 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar
 
 import yaml
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.methods import Method
 from dpkfc_med.recipe.apply import leaf_paths
+from dpkfc_med.training.config_build import build_dataclass
 from dpkfc_med.training.config_checks import attribute_overrides, value_problems
-from dpkfc_med.utils import did_you_mean
 
 __all__ = [
     "ConfigError",
@@ -273,6 +273,8 @@ class TrainingConfig:
             recipe field you leave unset (batch, epochs, clip norm, optimizer and lr, method,
             crops per unit, pretraining, preconditioner) is chosen by a rule on public facts
             only (:mod:`dpkfc_med.recipe.rule`); the report lists each with its origin.
+        recipe_chosen: the fields ``recipe: auto`` chose, written into a run's stored config
+            so that a resumed run reports them as chosen by the rule, not set by you.
         optimizer: ``sgd`` (with ``momentum``), ``adam``, or ``adambc`` (DP-AdamBC: Adam with
             the DP-noise variance ``(sigma C / B)^2`` subtracted from its second moment,
             :mod:`dpkfc_med.privacy.adambc`; plain Adam when non-private).
@@ -318,6 +320,7 @@ class TrainingConfig:
     """
 
     recipe: str = "manual"
+    recipe_chosen: list[str] = field(default_factory=list)
     epochs: int = 5
     batch_size: int = 256
     optimizer: str = "sgd"
@@ -483,75 +486,6 @@ class RunConfig:
         return hashlib.sha256(blob).hexdigest()
 
 
-def _coerce(path: str, value: Any, hint: Any, problems: list[str]) -> Any:
-    origin = get_origin(hint)
-    args = [a for a in get_args(hint) if a is not type(None)]
-    if value is None:
-        if type(None) in get_args(hint):
-            return None
-        problems.append(f"{path}: must not be null")
-        return value
-    if origin is list or hint is list:
-        if not isinstance(value, (list, tuple)):
-            problems.append(f"{path}={value!r}: must be a list")
-            return value
-        inner = get_args(hint)[0] if get_args(hint) else Any
-        return [_coerce(f"{path}[{i}]", v, inner, problems) for i, v in enumerate(value)]
-    if origin is not None and args:  # Optional[X] / X | None
-        if len(args) == 1:
-            return _coerce(path, value, args[0], problems)
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            problems.append(f"{path}={value!r}: must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            problems.append(f"{path}={value!r}: must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{path}={value!r}: must be a number")
-            return value
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            problems.append(f"{path}={value!r}: must be a string")
-        return value
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            problems.append(f"{path}={value!r}: must be a mapping")
-        return value
-    return value
-
-
-def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
-    if not isinstance(data, dict):
-        problems.append(f"{prefix or '<root>'}: must be a mapping, got {type(data).__name__}")
-        return cls()
-    hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            problems.append(
-                f"{path}: unknown field{did_you_mean(str(key), names)}; allowed: {names}"
-            )
-            continue
-        hint = hints[key]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            if value is None and getattr(hint, "NULL_IS_DEFAULT", False):
-                kwargs[key] = hint()  # an optional section cleared: its defaults are "off"
-                continue
-            kwargs[key] = _build(hint, value, path, problems)
-        else:
-            kwargs[key] = _coerce(path, value, hint, problems)
-    return cls(**kwargs)
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict."""
     problems = []
@@ -579,7 +513,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
     """Validate a nested dict into a :class:`RunConfig` (all problems reported at once)."""
     problems: list[str] = []
-    cfg = _build(RunConfig, data, "", problems)
+    cfg = build_dataclass(RunConfig, data, "", problems)
     if not problems:
         problems.extend(value_problems(cfg))
     if problems:

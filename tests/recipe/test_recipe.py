@@ -137,3 +137,24 @@ def test_what_you_set_wins_and_manual_changes_nothing(tmp_path):
 
     assert recipe_before_task(manual) is manual
     assert recipe_after_task(manual, HIPPO) is manual
+
+
+def test_a_resumed_run_reports_the_rule_s_fields_as_chosen(tmp_path):
+    """The stored config holds every value; recipe_chosen keeps their origin for a resume."""
+    import yaml
+
+    from dpkfc_med.training.config import load_config
+
+    first = _resolved(_volumes(tmp_path / "a", seed=1), {"lr": 0.05})
+    stored = tmp_path / "config.yaml"
+    stored.write_text(yaml.safe_dump(first.to_dict()), encoding="utf-8")
+    again = load_config(stored)
+    assert set(again.training.recipe_chosen) == {
+        r["field"] for r in first.recipe_rows if r["origin"] == BY_RULE
+    }
+    from dpkfc_med.recipe import recipe_after_task, recipe_before_task
+
+    facts_rows = recipe_after_task(recipe_before_task(again), HIPPO).recipe_rows
+    origins = {r["field"]: r["origin"] for r in facts_rows}
+    assert origins["training.lr"] == SET_BY_YOU and origins["training.optimizer"] == BY_RULE
+    assert again.training.batch_size == first.training.batch_size  # values as stored
