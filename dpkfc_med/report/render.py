@@ -77,6 +77,8 @@ __all__ = [
     "build_custodian_document",
     "build_document",
     "guarantee_sentence",
+    "html_block",
+    "markdown_block",
     "method_text",
     "plain_summary",
     "plural",
@@ -142,12 +144,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     Returns:
         The document, ending in a newline.
     """
-    return "\n\n".join(_md_block(b) for b in build_document(report)) + "\n"
+    return "\n\n".join(markdown_block(b) for b in build_document(report)) + "\n"
 
 
 def render_custodian_markdown(custodian: Mapping[str, Any]) -> str:
     """The custodian report as Markdown (figures linked as ``plots/<name>.png`` beside it)."""
-    return "\n\n".join(_md_block(b) for b in build_custodian_document(custodian)) + "\n"
+    return "\n\n".join(markdown_block(b) for b in build_custodian_document(custodian)) + "\n"
 
 
 def _md_inline(content: Inline, cell: bool = False, nested: bool = False) -> str:
@@ -167,7 +169,8 @@ def _md_inline(content: Inline, cell: bool = False, nested: bool = False) -> str
     return "".join(_md_inline(part, cell, nested) for part in content)
 
 
-def _md_block(block: Block) -> str:
+def markdown_block(block: Block) -> str:
+    """One block of the document model as Markdown (tables as pipe tables, banners as quotes)."""
     if isinstance(block, Heading):
         return f"{'#' * block.level} {block.text}"
     if isinstance(block, Paragraph):
@@ -178,7 +181,9 @@ def _md_block(block: Block) -> str:
         return f"> **{block.title}:** {block.text}"
     if isinstance(block, Box):
         paragraphs = [
-            _md_block(par).replace("\n", "\n> ") if isinstance(par, BulletList) else _md_inline(par)
+            markdown_block(par).replace("\n", "\n> ")
+            if isinstance(par, BulletList)
+            else _md_inline(par)
             for par in block.paragraphs
         ]
         return f"> ### {block.title}\n>\n" + "\n>\n".join(f"> {par}" for par in paragraphs)
@@ -292,7 +297,8 @@ def _html_inline(content: Inline) -> str:
     return "".join(_html_inline(part) for part in content)
 
 
-def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
+def html_block(block: Block, plots: Mapping[str, bytes]) -> str:
+    """One block of the document model as HTML; images are inlined from ``plots`` (PNG bytes)."""
     if isinstance(block, Heading):
         ident = f' id="{anchor(block.text)}"' if block.level == 2 else ""
         return f"<h{block.level}{ident}>{html.escape(block.text)}</h{block.level}>"
@@ -312,9 +318,7 @@ def _html_block(block: Block, plots: Mapping[str, bytes]) -> str:
         )
     if isinstance(block, Box):
         paragraphs = "".join(
-            _html_block(par, plots)
-            if isinstance(par, BulletList)
-            else f"<p>{_html_inline(par)}</p>"
+            html_block(par, plots) if isinstance(par, BulletList) else f"<p>{_html_inline(par)}</p>"
             for par in block.paragraphs
         )
         return (
@@ -367,7 +371,7 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, bytes]) -> str:
         The HTML document.
     """
     title = html.escape(f"Privacy report: {report['run']['name']}")
-    body = "\n".join(_html_block(b, plots) for b in build_document(report))
+    body = "\n".join(html_block(b, plots) for b in build_document(report))
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'

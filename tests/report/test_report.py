@@ -500,8 +500,8 @@ def test_an_empty_table_renders_in_both_views():
     """A run stopped before its first step has empty record tables (e.g. its epsilon history):
     the failed run's report must still render, never crash half-written."""
     from dpkfc_med.report.document import records_table
-    from dpkfc_med.report.render import _html_block, _md_block
+    from dpkfc_med.report.render import html_block, markdown_block
 
     empty = records_table([])
-    assert _md_block(empty) == "_(none)_"
-    assert "(none)" in _html_block(empty, {})
+    assert markdown_block(empty) == "_(none)_"
+    assert "(none)" in html_block(empty, {})
