@@ -35,6 +35,7 @@ class Method(str, Enum):
     DP_KFC = "dp-kfc"
     DP_KFC_WHITE = "dp-kfc-white"
     DP_KFC_PUBLIC = "dp-kfc-public"
+    DP_STP = "dp-stp"
 
     @property
     def private(self) -> bool:
@@ -47,6 +48,11 @@ class Method(str, Enum):
         return self in (Method.DP_KFC, Method.DP_KFC_WHITE, Method.DP_KFC_PUBLIC)
 
     @property
+    def scaled(self) -> bool:
+        """Whether per-unit gradients are divided by the noisy second moment (dp-stp)."""
+        return self is Method.DP_STP
+
+    @property
     def public_data(self) -> bool:
         """Whether the preconditioner is built from external public data instead of probes."""
         return self is Method.DP_KFC_PUBLIC
@@ -56,11 +62,13 @@ class Method(str, Enum):
         """The privacy engine's method that runs it (``None``: trained without the engine).
 
         Every DP-KFC variant is the ``dp-kfc`` mechanism; they differ in the probe source the
-        engine is given.
+        engine is given. ``dp-stp`` is its own.
         """
         if not self.private:
             return None
-        return Method.DP_KFC if self.preconditioned else Method.DP_SGD
+        if self.preconditioned:
+            return Method.DP_KFC
+        return Method.DP_STP if self.scaled else Method.DP_SGD
 
     @property
     def description(self) -> str:
@@ -73,7 +81,7 @@ class Method(str, Enum):
         Args:
             unit: The privacy unit's noun (``"patient"`` gives ``"per-patient gradients"``).
             curvature: What preconditions the per-unit gradients, for the DP-KFC family (a
-                noun phrase; other methods have none).
+                noun phrase; other methods have none: dp-stp's scale is always the same).
         """
         return _DESCRIPTIONS[self].format(unit=unit, curvature=curvature)
 
@@ -95,6 +103,11 @@ _DESCRIPTIONS = {
         "DP-KFC with public data: per-{unit} gradients preconditioned by {curvature} built "
         "from external public data, then clipped and noised as in DP-SGD"
     ),
+    Method.DP_STP: (
+        "DP-STP (scale-then-privatize): per-{unit} gradients divided elementwise by the square "
+        "root of a moving average of past released (noisy) squared gradients, clipped to norm C "
+        "and noised in those coordinates, then multiplied back"
+    ),
 }
 
 METHODS: tuple[str, ...] = tuple(m.value for m in Method)
@@ -106,7 +119,8 @@ PRECONDITIONED_METHODS: tuple[str, ...] = tuple(m.value for m in Method if m.pre
 ENGINE_METHODS: tuple[Method, ...] = tuple(
     dict.fromkeys(m.mechanism for m in Method if m.mechanism is not None)
 )
-"""The mechanisms :class:`~dpkfc_med.privacy.engine.PrivacyEngine` runs (dp-sgd, dp-kfc)."""
+"""The mechanisms :class:`~dpkfc_med.privacy.engine.PrivacyEngine` runs (dp-sgd, dp-kfc,
+dp-stp)."""
 
 
 def method_help() -> str:

@@ -42,6 +42,7 @@ from dpkfc_med.privacy.grad_sample import PreconditionedGradSampleModule
 from dpkfc_med.privacy.loader import check_loader_sampling, poisson_loader
 from dpkfc_med.privacy.optimizer import ScaleThenPrivatizeOptimizer
 from dpkfc_med.privacy.refresh import PreconditionerRefreshes
+from dpkfc_med.privacy.stp import SecondMomentScaleOptimizer, stp_clipping
 from dpkfc_med.probes.sources import ProbeSource, probe_source_problems
 from dpkfc_med.utils import check_choice
 
@@ -81,7 +82,7 @@ def _entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
 
 
 class PrivacyEngine(PreconditionerRefreshes):
-    """Makes a model, optimizer and loader private with DP-SGD or DP-KFC.
+    """Makes a model, optimizer and loader private with DP-SGD, DP-KFC or DP-STP.
 
     Args:
         accountant: primary accountant (``"prv"``; ``"rdp"``/``"pld"`` for cross-checks).
@@ -171,7 +172,8 @@ class PrivacyEngine(PreconditionerRefreshes):
             noise_multiplier: ``sigma``.
             max_grad_norm: clip norm ``C``.
             delta: the delta epsilon is reported at.
-            method: ``"dp-kfc"`` or ``"dp-sgd"``.
+            method: ``"dp-kfc"``, ``"dp-sgd"`` or ``"dp-stp"`` (scale-then-privatize by the
+                noisy second moment of released gradients, :mod:`dpkfc_med.privacy.stp`).
             probe_source: a :class:`~dpkfc_med.probes.ProbeSource` (``sample(num, seed=...,
                 model=..., device=..., dtype=...)`` returning ``(inputs, targets)`` and
                 ``describe()``) -- required for dp-kfc. Never private data: a ``DataLoader``,
@@ -205,7 +207,8 @@ class PrivacyEngine(PreconditionerRefreshes):
                 then equal Opacus' to float rounding), ``"ghost"`` (ghost norms on the
                 transformed rows of every layer that has them) or ``"auto"`` (per layer,
                 whichever costs fewer multiply-adds by the layer's shapes). The clipped sum,
-                the noise and the guarantee are the same in every mode.
+                the noise and the guarantee are the same in every mode. ``dp-stp`` clips
+                per sample (``"auto"`` picks it; ``"ghost"`` is refused).
             mechanism_extra: what else defines the mechanism that only the caller knows
                 (e.g. ``{"precision": ..., "unit": ...}``). Over several processes every
                 rank's mechanism -- these fields, the method, ``C``, ``sigma``, ``q``, the
@@ -236,6 +239,17 @@ class PrivacyEngine(PreconditionerRefreshes):
             if natural and isinstance(optimizer, DPAdamBC):
                 problems.append(
                     f"preconditioner step='natural' with DPAdamBC: {NATURAL_STEP_REFUSED}"
+                )
+        if self.method is Method.DP_STP:
+            try:
+                clipping = stp_clipping(clipping)
+            except ValueError as err:
+                problems.append(str(err))
+            if isinstance(optimizer, DPAdamBC):
+                problems.append(
+                    "method=dp-stp with DPAdamBC: the released gradient's noise is s * N(0, "
+                    "(sigma C / B)^2) per coordinate, not the constant variance DPAdamBC "
+                    "subtracts; use adam or sgd"
                 )
         backward_reduction = backward_reduction or loss_reduction
         if loss_reduction not in ("mean", "sum") or backward_reduction not in ("mean", "sum"):
@@ -290,7 +304,12 @@ class PrivacyEngine(PreconditionerRefreshes):
             for name, m in gsm._module.named_modules()
             for p_name, p in m.named_parameters(recurse=False)
         }
-        opt = ScaleThenPrivatizeOptimizer(
+        optimizer_class = (
+            SecondMomentScaleOptimizer
+            if self.method is Method.DP_STP
+            else ScaleThenPrivatizeOptimizer
+        )
+        opt = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
@@ -433,6 +452,10 @@ class PrivacyEngine(PreconditionerRefreshes):
             "ledger": self.ledger.to_dict() if self.ledger else None,
             "steps_taken": self.optimizer.steps_taken if self.optimizer else 0,
             "refreshes": list(self.refreshes),
+            # dp-stp's scale: computed from released gradients only, so it may be kept
+            "stp_scale": opt.scale.state_dict()
+            if isinstance(opt := self.optimizer, SecondMomentScaleOptimizer)
+            else None,
             "noise_generator": self.noise_generator.get_state()
             if replay and self.noise_generator
             else None,
@@ -452,6 +475,8 @@ class PrivacyEngine(PreconditionerRefreshes):
         if self.optimizer is not None:
             self.optimizer.steps_taken = int(state["steps_taken"])
         self.refreshes = list(state.get("refreshes", []))
+        if isinstance(self.optimizer, SecondMomentScaleOptimizer) and state.get("stp_scale"):
+            self.optimizer.scale.load_state_dict(state["stp_scale"])
         if self.noise_generator is not None and state.get("noise_generator") is not None:
             self.noise_generator.set_state(state["noise_generator"])
         if (
