@@ -61,6 +61,7 @@ from dpkfc_med.utils import check_choice
 __all__ = [
     "DEFAULT_BETA2",
     "DEFAULT_EPS",
+    "GHOST_REFUSED",
     "SecondMomentScale",
     "SecondMomentScaleOptimizer",
     "stp_clipping",

@@ -21,6 +21,7 @@ from dpkfc_med.models.fix import NormChoice
 from dpkfc_med.privacy.accounting import Accountant
 from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
 from dpkfc_med.privacy.ghost import Clipping
+from dpkfc_med.privacy.stp import GHOST_REFUSED
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
 from dpkfc_med.recipe.apply import RECIPES
 from dpkfc_med.utils import did_you_mean
@@ -150,6 +151,13 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
         problems.append(
             "preconditioner.step='natural' with training.optimizer='adambc': "
             + NATURAL_STEP_REFUSED
+        )
+    if cfg.method_enum.scaled and cfg.privacy.clipping == Clipping.GHOST.value:
+        problems.append(GHOST_REFUSED)
+    if cfg.method_enum.scaled and cfg.training.optimizer == "adambc":
+        problems.append(
+            "training.optimizer='adambc' with method dp-stp: DP-AdamBC subtracts a constant noise "
+            "variance, but dp-stp's noise is scaled by s per coordinate; use adam or sgd"
         )
     try:
         cfg.preconditioner_config()

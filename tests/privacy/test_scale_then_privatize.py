@@ -236,6 +236,19 @@ def test_adams_betas_set_the_scale_and_the_scale_survives_a_checkpoint(float64):
         assert torch.equal(s, t)
 
 
+def test_a_config_with_ghost_clipping_or_adambc_is_refused_at_load():
+    from dpkfc_med.training.config import ConfigError, load_config
+
+    cfg = ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
+    sets = ["method=dp-stp", "privacy.clipping=ghost", "training.optimizer=adambc"]
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, sets)
+    text = "\n".join(err.value.problems)
+    assert "privacy.clipping=ghost: the elementwise scale s breaks" in text
+    assert "training.optimizer=adambc: DP-AdamBC subtracts a constant noise variance" in text
+    assert load_config(cfg, ["method=dp-stp"]).method_enum.scaled
+
+
 @pytest.mark.skipif(not PNEUMONIA.is_file(), reason="needs the shared PneumoniaMNIST file")
 def test_a_tiny_dp_stp_run_from_the_cli_completes_and_names_its_method(tmp_path):
     from dpkfc_med.cli import main
