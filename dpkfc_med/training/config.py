@@ -128,6 +128,10 @@ class DataConfig:
             read off the private volumes. Whole volumes: give a patch at least as large as the
             largest volume (they are padded to it).
         patches_per_unit: patches drawn per volume per step (segmentation).
+        augmentations_per_unit: classification: ``k`` random views (shifts of up to 2 pixels,
+            left-right flips) of every image of a drawn unit, their gradients summed before
+            clipping (augmentation multiplicity; :mod:`dpkfc_med.data.augment`). 1: the
+            images as they are.
         spacing: segmentation: voxel spacing of the probes in mm, one value per axis of
             ``patch_size``; required (the protocol's spacing, not the private NIfTI headers';
             the error suggests the headers' median; PNG / JPEG pixels: 1.0 unless known).
@@ -180,6 +184,7 @@ class DataConfig:
     split_fold: int = 0
     patch_size: list[int] | None = None
     patches_per_unit: int = 1
+    augmentations_per_unit: int = 1
     spacing: list[float] | None = None
     resize: list[int] | None = None
     unit_ids: str | None = None

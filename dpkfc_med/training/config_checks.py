@@ -67,6 +67,7 @@ POSITIVE = {
     "training.eval_every",
     "probes.num_probes",
     "data.patches_per_unit",
+    "data.augmentations_per_unit",
     "data.slices.per_unit",
     "pretrain.batch_size",
     "pretrain.lr",
@@ -122,6 +123,11 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
         problems.append(
             "probes.kind='shapes': shape volumes come with label maps and apply to segmentation; "
             "use 'pink' for classification"
+        )
+    if cfg.data.augmentations_per_unit != 1 and cfg.data.task == "segmentation":
+        problems.append(
+            f"data.augmentations_per_unit={cfg.data.augmentations_per_unit}: applies to "
+            "classification; segmentation draws data.patches_per_unit crops per unit instead"
         )
     if cfg.pretrain.steps and cfg.data.task != "segmentation":
         problems.append(

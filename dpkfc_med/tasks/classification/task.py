@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from dpkfc_med.data import MedMNISTDataset, load_medmnist, resolve_data_path, sha256_file
+from dpkfc_med.data.augment import AugmentedUnits, RandomShiftFlip
 from dpkfc_med.data.errors import DataNotFoundError, DataValidationError
 from dpkfc_med.data.medmnist import TensorImageDataset
 from dpkfc_med.data.units import (
@@ -251,6 +252,11 @@ def classification_task(cfg: RunConfig, data_path: str | None = None) -> Classif
         }
         if csv_path is not None:
             record["sha256"][csv_path.name] = sha256_file(csv_path)
+        extra["collate"] = UnitCollate(data.channels, spatial_shape)
+    if cfg.data.augmentations_per_unit > 1:  # k views per image, summed before clipping
+        views = cfg.data.augmentations_per_unit
+        train_set = AugmentedUnits(train_set, views, RandomShiftFlip(), seed=cfg.training.seed)
+        max_per_unit *= views
         extra["collate"] = UnitCollate(data.channels, spatial_shape)
     record["splits"] = {k: len(v) for k, v in splits.items()}  # type: ignore[arg-type]
     if units is not None:  # N units is treated as public; the image count of patients is not
