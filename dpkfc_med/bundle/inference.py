@@ -172,7 +172,7 @@ def _classification(
 def _segmentation(
     cfg: Any, task: Mapping[str, Any], network_def: Mapping[str, Any]
 ) -> dict[str, Any]:
-    from dpkfc_med.data.images2d import IMAGE_SUFFIXES as _PICTURES
+    from dpkfc_med.data.cases import IMAGE_SUFFIXES as _PICTURES
     from dpkfc_med.tasks.segmentation.task import SW_OVERLAP
 
     patch = [int(s) for s in task["spatial_shape"]]

@@ -1,9 +1,10 @@
-"""Private-data readers: MedMNIST .npz (2D/3D), NIfTI folders / MSD dataset.json, DICOM; patient unit ids and image fingerprints; data-root resolution."""  # noqa: E501
+"""Private-data readers: MedMNIST .npz (2D/3D), segmentation folders in registered formats (NIfTI / MSD dataset.json, BraTS, DICOM series, 2D images); patient unit ids and image fingerprints; data-root resolution."""  # noqa: E501
 
 from dpkfc_med.data.cases import SegmentationCase, SegmentationCases
 from dpkfc_med.data.dicom import list_dicom_series, read_dicom_series
 from dpkfc_med.data.errors import AmbiguousFormatError, DataNotFoundError, DataValidationError
 from dpkfc_med.data.fingerprint import count_shared, image_digests
+from dpkfc_med.data.folders import load_segmentation_folder
 from dpkfc_med.data.medmnist import (
     MedMNISTDataset,
     Task,
@@ -11,7 +12,6 @@ from dpkfc_med.data.medmnist import (
     load_medmnist,
     medmnist_info,
 )
-from dpkfc_med.data.nifti import load_segmentation_folder
 from dpkfc_med.data.paths import (
     DATA_ENV_VAR,
     data_roots,

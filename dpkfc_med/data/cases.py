@@ -3,8 +3,9 @@
 A :class:`SegmentationCases` holds header facts only (shape, spacing, dtypes); voxels are read
 on demand (:meth:`SegmentationCases.load_case`) or all at once to check every label map
 (:meth:`SegmentationCases.validate_all`). The folder readers that build it are
-:mod:`.nifti` (NIfTI folders, MSD ``dataset.json``), :mod:`.dicom_folders` (DICOM series) and
-:mod:`.images2d` (PNG / JPEG). Problems are collected and raised once, each naming its case.
+:mod:`.formats.nifti` (NIfTI folders, MSD ``dataset.json``), :mod:`.formats.dicom_series`
+(DICOM series) and :mod:`.formats.images2d` (PNG / JPEG), registered in :mod:`.formats`.
+Problems are collected and raised once, each naming its case.
 """
 
 from __future__ import annotations

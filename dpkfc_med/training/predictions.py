@@ -34,7 +34,7 @@ def save_prediction(
     """Save a predicted label map ``[1, *S]`` (a ``MetaTensor`` on the input's grid).
 
     Always ``path.nii.gz`` (the input's affine); for a case read from a DICOM series
-    (:class:`~dpkfc_med.data.dicom_convert.DicomSegmentationCase`) also ``path_seg.dcm``, a
+    (:class:`~dpkfc_med.data.dicom.convert.DicomSegmentationCase`) also ``path_seg.dcm``, a
     DICOM-SEG on the series' own slices (:func:`write_dicom_seg`). A DICOM-SEG that cannot be
     written (no ``highdicom``, a series without the tags it must reference) is skipped with a
     sentence appended to ``problems`` (and logged); the NIfTI file is written all the same.
@@ -61,7 +61,7 @@ def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path)
     """A DICOM-SEG (``highdicom``) of ``label_map`` on the slices of the case's series.
 
     The label map lies on the series' NIfTI conversion (voxel axes: columns, rows, slices
-    sorted along the slice normal, as :func:`~dpkfc_med.data.dicom_convert.convert_case` reads
+    sorted along the slice normal, as :func:`~dpkfc_med.data.dicom.convert.convert_case` reads
     them); each foreground class is one segment, numbered by its class id and labelled by
     ``names``.
 
@@ -82,7 +82,7 @@ def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path)
     from pydicom.sr.codedict import codes
 
     import dpkfc_med
-    from dpkfc_med.data.dicom_scan import check_series, scan_case
+    from dpkfc_med.data.dicom.scan import check_series, scan_case
 
     scan = scan_case(case.series_folder, case.case_id)
     slices, problems = check_series(

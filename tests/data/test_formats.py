@@ -27,6 +27,24 @@ def test_a_brats_folder_is_recognised_by_one_format(tmp_path):
     assert detect_format(tmp_path) is None  # one folder per case, but no case files in them
 
 
+LAYOUTS = {  # empty files: recognising a folder reads names, never contents
+    "nifti": ["imagesTr/a_0000.nii.gz", "labelsTr/a.nii.gz"],
+    "nifti ": ["dataset.json", "imagesTr/a.nii.gz", "labelsTr/a.nii.gz"],
+    "case-folders": ["a/a_t1c.nii.gz", "a/a_seg.nii.gz", "b/b-flair.nii", "b/b-seg.nii"],
+    "dicom-series": ["a/series/1.dcm", "a/a_seg.nii.gz", "labelsTr/b.nii.gz", "b/2.dcm"],
+    "dicom-series  ": ["imagesTr/a/1.dcm", "labelsTr/a.nii.gz"],
+    "images-masks": ["images/a.png", "masks/a.png"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_each_built_in_layout_is_recognised_by_its_format_alone(tmp_path, name):
+    for rel in LAYOUTS[name]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).touch()
+    assert [f.name for f in FORMATS.values() if f.recognise(tmp_path)] == [name.strip()]
+
+
 def test_a_new_format_is_one_registration(tmp_path, scratch_formats):
     root = tmp_path / "d"
     (root / "cases").mkdir(parents=True)

@@ -186,7 +186,7 @@ def test_dicom_series_get_a_dicom_seg_on_their_own_slices(run, tmp_path):
     """A DICOM input: the DICOM-SEG, read back on the series' slices, is the NIfTI label map."""
     import highdicom as hd
 
-    from dpkfc_med.data.dicom_scan import check_series, scan_case
+    from dpkfc_med.data.dicom.scan import check_series, scan_case
     from tests.data.test_data_dicom import _dicom_dataset
 
     ids = [Path(n).name.removesuffix(".nii.gz") for n in _images()[-2:]]

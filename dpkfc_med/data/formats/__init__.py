@@ -5,7 +5,12 @@ names only); two that both do are an error naming both. Each built-in format reg
 when its module is imported below; a new format is one module plus one import line here.
 """  # noqa: E501
 
-from dpkfc_med.data.formats import case_folders  # noqa: F401  (registers "case-folders")
+from dpkfc_med.data.formats import (  # noqa: F401  (each registers its format)
+    case_folders,
+    dicom_series,
+    images2d,
+    nifti,
+)
 from dpkfc_med.data.formats.registry import (
     FORMATS,
     DataFormat,

@@ -7,8 +7,8 @@ labels in ``labelsTr/`` (NIfTI or DICOM-SEG, matched by file name or referenced 
 series are checked from their headers (missing slices, uneven positions, mixed spacing,
 several series per case), every problem at once and naming the case, then read once with
 SimpleITK's ``ImageSeriesReader`` and kept as NIfTI files in a cache outside the data folder.
-The header scan and the series checks live in :mod:`.dicom_scan`, the conversion and its cache
-in :mod:`.dicom_convert`.
+The header scan and the series checks live in :mod:`dpkfc_med.data.dicom.scan`, the conversion
+and its cache in :mod:`dpkfc_med.data.dicom.convert`. Registered as the ``dicom-series`` format.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from dpkfc_med.data.cases import (
     collect_cases,
     is_nifti_file,
 )
-from dpkfc_med.data.dicom_convert import (
+from dpkfc_med.data.dicom.convert import (
     DicomSegmentationCase,
     convert_case,
     default_cache,
     header_grid_problem,
 )
-from dpkfc_med.data.dicom_scan import (
+from dpkfc_med.data.dicom.scan import (
     DicomSlice,
     check_series,
     choose_series,
@@ -41,8 +41,14 @@ from dpkfc_med.data.dicom_scan import (
     seg_series_uids,
 )
 from dpkfc_med.data.errors import DataValidationError
+from dpkfc_med.data.formats.registry import ReadOptions, register_format
 
-__all__ = ["DicomSegmentationCase", "is_dicom_series_folder", "load_dicom_segmentation_folder"]
+__all__ = [
+    "DicomSegmentationCase",
+    "is_dicom_series_folder",
+    "load_dicom_segmentation_folder",
+    "read_dicom_series_folder",
+]
 
 
 def _visible_dirs(folder: Path) -> list[Path]:
@@ -66,7 +72,8 @@ def is_dicom_series_folder(root: str | Path) -> bool:
     Two layouts are recognised: ``<case>/*.dcm`` (one folder per case, the label inside it or in
     ``labelsTr/``) and ``imagesTr/<case>/*.dcm`` with labels in ``labelsTr/``. A ``dataset.json``
     with a ``training`` list, or NIfTI files directly in ``imagesTr/``, mean a NIfTI dataset.
-    Only the first files of the first few folders are looked at.
+    Only the first files of the first few folders are looked at: by name (``.dcm``, ``.dicom``,
+    ``.ima``), else by the 4-byte ``DICM`` marker of the file header (never pixel data).
     """
     root = Path(root)
     if (root / "dataset.json").is_file() or not root.is_dir():
@@ -229,13 +236,13 @@ def load_dicom_segmentation_folder(
     elif unpaired:
         warnings.warn(
             f"{root}: skipped {len(unpaired)} unpaired case(s)/label(s): " + "; ".join(unpaired),
-            stacklevel=2,
+            stacklevel=4,
         )
     if skipped:
         shown = "; ".join(skipped[:5]) + (
             f"; ... ({len(skipped)} in all)" if len(skipped) > 5 else ""
         )
-        warnings.warn(f"{root}: skipped files that are not DICOM images: {shown}", stacklevel=2)
+        warnings.warn(f"{root}: skipped files that are not DICOM images: {shown}", stacklevel=4)
     if problems:
         raise DataValidationError(root, problems)
 
@@ -263,4 +270,21 @@ def load_dicom_segmentation_folder(
         num_classes=num_classes,
         source=f"DICOM series ({layout})",
         dropped=list(unpaired) if on_unpaired == "warn" else [],
+    )
+
+
+@register_format(
+    "dicom-series",
+    recognise=is_dicom_series_folder,
+    layout="<case>/...*.dcm or imagesTr/<case>/...*.dcm, one DICOM series per case",
+)
+def read_dicom_series_folder(root: Path, options: ReadOptions) -> SegmentationCases:
+    """Read a folder of DICOM series: :func:`load_dicom_segmentation_folder` with ``options``."""
+    return load_dicom_segmentation_folder(
+        root,
+        num_classes=options.num_classes,
+        on_unpaired=options.on_unpaired,
+        case_ids=options.case_ids,
+        dicom_series=options.dicom_series,
+        cache_dir=options.cache_dir,
     )

@@ -4,7 +4,7 @@
 :class:`DicomSlice` per single-frame image), DICOM-SEG files and NIfTI files, and notes what it
 skips; :func:`choose_series` picks the case's series and :func:`check_series` sorts its
 slices along the slice normal and describes missing slices, uneven positions and mixed spacing,
-orientation or size. No pixels are read here (:mod:`.dicom_convert` reads them).
+orientation or size. No pixels are read here (:mod:`.convert` reads them).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ is the fallback for files GDCM cannot open. Arrays are ``[D, H, W]`` (slice, row
 spacing is ``(z, y, x)`` in mm, matching the array axes.
 
 A folder of DICOM series, one per case, is a segmentation dataset too
-(:mod:`dpkfc_med.data.dicom_folders`).
+(:mod:`dpkfc_med.data.formats.dicom_series`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from dpkfc_med.data.cases import SegmentationCase, header_facts, is_nifti_file
-from dpkfc_med.data.dicom_scan import DicomSlice
+from dpkfc_med.data.dicom.scan import DicomSlice
 
 __all__ = ["DicomSegmentationCase", "convert_case", "default_cache", "header_grid_problem"]
 

@@ -12,7 +12,8 @@ Each case is one image and one privacy unit; folders of 2D NIfTI (``imagesTr``/`
 ``dataset.json`` with ``(X, Y)`` or ``(X, Y, 1)`` files) are read by :mod:`.nifti` instead.
 Arrays follow MONAI's ``PILReader`` (``reverse_indexing=True``): a ``W x H`` picture is an
 ``[W, H]`` (or ``[W, H, C]``) array, so the readers here and MONAI's transforms agree on axes.
-Pixels have no physical size in these formats: distances (HD95) are in pixels.
+Pixels have no physical size in these formats: distances (HD95) are in pixels. Registered as
+the ``images-masks`` format.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dpkfc_med.data.cases import (
     read_headers,
     read_image_array,
 )
+from dpkfc_med.data.formats.registry import ReadOptions, register_format
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -36,6 +38,7 @@ __all__ = [
     "is_image_mask_folder",
     "load_image_mask_folder",
     "read_image_array",
+    "read_image_mask_folder",
 ]
 
 _LOSSY = (".jpg", ".jpeg")
@@ -52,8 +55,12 @@ def is_image_file(path: Path) -> bool:
 
 
 def is_image_mask_folder(root: Path) -> bool:
-    """Whether ``root`` has the ``images/`` + ``masks/`` layout of this module."""
-    return (root / "images").is_dir() and (root / "masks").is_dir()
+    """Whether ``root`` has the ``images/`` + ``masks/`` layout (and no ``imagesTr/``)."""
+    return (
+        (root / "images").is_dir()
+        and (root / "masks").is_dir()
+        and not (root / "imagesTr").is_dir()
+    )
 
 
 def _facts(path: Path) -> tuple[tuple[int, int], str]:
@@ -182,7 +189,7 @@ def load_image_mask_folder(
         dropped = unpaired
         warnings.warn(
             f"{root}: skipped {len(dropped)} unpaired file(s): " + "; ".join(dropped),
-            stacklevel=2,
+            stacklevel=4,
         )
     return collect_cases(
         root,
@@ -196,4 +203,19 @@ def load_image_mask_folder(
         source="images/masks",
         dropped=dropped,
         reader="PILReader",
+    )
+
+
+@register_format(
+    "images-masks",
+    recognise=is_image_mask_folder,
+    layout="images/<case>.png + masks/<case>.png (PNG / JPEG / TIFF / BMP)",
+)
+def read_image_mask_folder(root: Path, options: ReadOptions) -> Any:
+    """Read an ``images/`` + ``masks/`` folder: :func:`load_image_mask_folder` with ``options``."""
+    return load_image_mask_folder(
+        root,
+        num_classes=options.num_classes,
+        on_unpaired=options.on_unpaired,
+        case_ids=options.case_ids,
     )

@@ -1,15 +1,11 @@
-"""Segmentation data from NIfTI folders and MSD ``dataset.json`` indexes.
+"""The NIfTI folder format: an MSD / nnU-Net ``dataset.json`` or ``imagesTr/`` + ``labelsTr/``.
 
-:func:`load_segmentation_folder` indexes a dataset folder into
-:class:`~dpkfc_med.data.cases.SegmentationCases`, pairing images with labels and checking their
-headers. Volumes are 3-D; 2-D images come as 2-D NIfTI (``(X, Y)`` or ``(X, Y, 1)``) or as PNG /
-JPEG ``images/`` + ``masks/`` folders (:mod:`.images2d`), and slices of volumes as 2-D samples
-of their volume (:mod:`.slices`); folders of DICOM series go to :mod:`.dicom_folders`.
-
-The rest of the segmentation data lives beside this module and is re-exported here: the case
-index (:mod:`.cases`), the train/val/test split (:mod:`.splits`), the transform presets with
-per-volume normalisation and patch sampling (:mod:`.transforms`) and the dataset whose item,
-and privacy unit, is one volume (:mod:`.volumes`).
+Images pair with labels through the ``training`` list of a ``dataset.json`` (MSD; nnU-Net's
+per-modality files ``<case>_0000.nii.gz``, ... found beside a listed ``<case>.nii.gz``), or by
+case ID between ``imagesTr/`` and ``labelsTr/``; the headers are checked for every case.
+Volumes are 3-D; 2-D images come as 2-D NIfTI (``(X, Y)`` or ``(X, Y, 1)``). Registered as the
+``nifti`` format, which also reads a folder that no format recognises (its reader names what
+is missing).
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,26 +25,10 @@ from dpkfc_med.data.cases import (
     collect_cases,
     is_nifti_file,
 )
-from dpkfc_med.data.dicom_folders import is_dicom_series_folder, load_dicom_segmentation_folder
 from dpkfc_med.data.errors import DataValidationError
-from dpkfc_med.data.formats import ReadOptions, data_format, detect_format
-from dpkfc_med.data.images2d import is_image_mask_folder, load_image_mask_folder
-from dpkfc_med.data.splits import deterministic_split, load_split, save_split
-from dpkfc_med.data.transforms import CropMode, IntensityNorm, segmentation_transforms
-from dpkfc_med.data.volumes import VolumeDataset
+from dpkfc_med.data.formats.registry import ReadOptions, register_format
 
-__all__ = [
-    "CropMode",
-    "IntensityNorm",
-    "SegmentationCase",
-    "SegmentationCases",
-    "VolumeDataset",
-    "deterministic_split",
-    "load_segmentation_folder",
-    "load_split",
-    "save_split",
-    "segmentation_transforms",
-]
+__all__ = ["is_nifti_folder", "read_nifti_folder"]
 
 # nnU-Net names image files "<case>_0000.nii.gz", "<case>_0001.nii.gz", ... (one per modality,
 # in channel order) while the label is "<case>.nii.gz".
@@ -191,89 +171,31 @@ def _pairs_from_folders(root: Path) -> tuple[_Pairs, _Notes, _Notes]:
     return pairs, unpaired, problems
 
 
-def load_segmentation_folder(
-    path: str | Path,
-    *,
-    num_classes: int | None = None,
-    on_unpaired: str = "error",
-    case_ids: Sequence[str] | None = None,
-    dicom_series: str | None = None,
-    cache_dir: str | Path | None = None,
-    channels: Sequence[str] | None = None,
-    format: str | None = None,
-) -> SegmentationCases:
-    """Index a segmentation dataset folder from its NIfTI (or PNG / JPEG) headers.
+def is_nifti_folder(root: Path) -> bool:
+    """Whether ``root`` has a ``dataset.json`` or NIfTI files directly in ``imagesTr/``."""
+    if (root / "dataset.json").is_file():
+        return True
+    images = root / "imagesTr"
+    return images.is_dir() and any(is_nifti_file(p) for p in images.iterdir())
 
-    The folder either has an MSD-style ``dataset.json`` (its ``training`` list pairs images
-    with labels and its ``labels`` dict declares the classes) or ``imagesTr/`` and
-    ``labelsTr/`` folders whose files pair by case ID (the file name without ``.nii(.gz)``;
-    an image named ``<case>_0000`` in nnU-Net style pairs with label ``<case>``; hidden files
-    such as macOS ``._*`` forks are ignored). A folder of DICOM series goes to
-    :mod:`.dicom_folders`, one of ``images/`` + ``masks/`` (PNG / JPEG) to :mod:`.images2d`.
-    Header checks run for every case; voxel checks run lazily
-    (:meth:`SegmentationCases.load_case`, the label check in :func:`segmentation_transforms`)
-    or all at once with :meth:`SegmentationCases.validate_all`.
 
-    Unpaired files are an error by default: silently dropping a case changes ``N``, which
-    enters the sampling rate of the privacy accounting and the dataset record of the report.
-    ``on_unpaired="warn"`` drops them with a warning instead.
+@register_format(
+    "nifti",
+    recognise=is_nifti_folder,
+    layout="imagesTr/<case>.nii.gz + labelsTr/<case>.nii.gz, or a dataset.json (MSD, nnU-Net)",
+)
+def read_nifti_folder(root: Path, options: ReadOptions) -> SegmentationCases:
+    """Index a NIfTI folder from its headers (see :func:`~dpkfc_med.data.load_segmentation_folder`).
 
-    Args:
-        path: The dataset folder.
-        num_classes: Declared classes (background included); overrides ``dataset.json``.
-        on_unpaired: ``"error"`` or ``"warn"`` for an image without a label or vice versa.
-        case_ids: Only index these cases; problems of other cases are not reported.
-        dicom_series: For a folder of DICOM series (one per case, handed to
-            :func:`~dpkfc_med.data.dicom_folders.load_dicom_segmentation_folder`): regex of
-            the ``SeriesDescription`` to read where a case has several.
-        cache_dir: For DICOM series: where their NIfTI conversions are kept.
-        channels: The input channels' names in order (``data.channels``): for one folder per
-            case (BraTS, :mod:`.formats.case_folders`) the modality file suffixes, required;
-            for other NIfTI folders the channel count every case must have.
-        format: The name of a registered format (:mod:`.formats`) to read the folder as,
-            for a folder that several formats recognise; ``None``: the one that recognises it.
-
-    Returns:
-        :class:`SegmentationCases`, sorted by case ID.
+    ``options.channels`` gives the channel count every case must have (it must agree with the
+    modalities ``dataset.json`` declares); ``options.num_classes`` overrides its ``labels``.
 
     Raises:
-        DataValidationError: Listing every problem: missing folder or files, unpaired
-            files, unreadable headers, image/label shape or spacing mismatch.
-        AmbiguousFormatError: Two registered formats recognise the folder (naming both).
+        DataValidationError: Listing every problem: missing folders or files, unpaired files,
+            unreadable headers, image/label shape or spacing mismatch.
     """
-    root = Path(path).expanduser()
-    if on_unpaired not in ("error", "warn"):
-        raise ValueError(f"on_unpaired={on_unpaired!r} is not one of 'error', 'warn'")
-    if not root.is_dir():
-        raise DataValidationError(
-            root,
-            [
-                "folder not found; pass a folder with imagesTr/ + labelsTr/ or a dataset.json "
-                "(--data PATH, or resolve_data_path(..., kind='dir'))"
-            ],
-        )
-    options = ReadOptions(num_classes, on_unpaired, case_ids, dicom_series, cache_dir, channels)
-    if format is not None:
-        return data_format(format).read(root, options)
-    if is_image_mask_folder(root) and not (root / "imagesTr").is_dir():
-        return load_image_mask_folder(
-            root, num_classes=num_classes, on_unpaired=on_unpaired, case_ids=case_ids
-        )
-
-    if is_dicom_series_folder(root):
-        return load_dicom_segmentation_folder(
-            root,
-            num_classes=num_classes,
-            on_unpaired=on_unpaired,
-            case_ids=case_ids,
-            dicom_series=dicom_series,
-            cache_dir=cache_dir,
-        )
-
-    chosen = detect_format(root)
-    if chosen is not None:
-        return chosen.read(root, options)
-
+    channels, case_ids = options.channels, options.case_ids
+    num_classes, on_unpaired = options.num_classes, options.on_unpaired
     meta: dict[str, Any] = {}
     index = root / "dataset.json"
     if index.is_file():
@@ -322,7 +244,7 @@ def load_segmentation_folder(
         dropped = [msg for _, msg in unpaired]
         warnings.warn(
             f"{root}: skipped {len(dropped)} unpaired file(s): " + "; ".join(dropped),
-            stacklevel=2,
+            stacklevel=3,
         )
 
     def checked() -> Iterator[SegmentationCase | list[str]]:
