@@ -1,7 +1,8 @@
 r"""Probe-free scale-then-privatize (``dp-stp``): clipping after a noisy second-moment scale.
 
-The rival of DP-KFC that needs no probes (jax_privacy's scale-then-privatize, arXiv
-2507.01129): each parameter tensor ``p`` has a public scale
+The rival of DP-KFC that needs no probes: scale-then-privatize (Ganesh, McMahan and Thakurta
+2025, *On design principles for private adaptive optimizers*, arXiv 2507.01129; as in
+jax_privacy). Each parameter tensor ``p`` has a public scale
 
 .. math::
 
