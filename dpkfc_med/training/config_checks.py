@@ -24,6 +24,7 @@ from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.privacy.stp import GHOST_REFUSED
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
 from dpkfc_med.recipe.apply import RECIPES
+from dpkfc_med.tasks.kinds import TASK_KINDS, TaskKind
 from dpkfc_med.utils import did_you_mean
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
 
 CHOICES: dict[str, list[str]] = {
     "method": list(METHODS),
-    "data.task": ["classification", "segmentation"],
+    "data.task": list(TASK_KINDS),
     "data.slices.pick": ["random", "even"],
     "training.optimizer": ["sgd", "adam", "adambc"],
     "training.recipe": list(RECIPES),
@@ -119,7 +120,7 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
         )
     if isinstance(cfg.pretrain.steps, int) and cfg.pretrain.steps < 0:
         problems.append(f"pretrain.steps={cfg.pretrain.steps}: must be >= 0 (0 = off)")
-    if cfg.probes.kind == NoiseKind.SHAPES.value and cfg.data.task != "segmentation":
+    if cfg.probes.kind == NoiseKind.SHAPES.value and cfg.data.task != TaskKind.SEGMENTATION:
         problems.append(
             "probes.kind='shapes': shape volumes come with label maps and apply to segmentation; "
             "use 'pink' for classification"
@@ -129,7 +130,7 @@ def _check_values(cfg: Any, problems: list[str]) -> None:
             f"data.augmentations_per_unit={cfg.data.augmentations_per_unit}: applies to "
             "classification; segmentation draws data.patches_per_unit crops per unit instead"
         )
-    if cfg.pretrain.steps and cfg.data.task != "segmentation":
+    if cfg.pretrain.steps and cfg.data.task != TaskKind.SEGMENTATION:
         problems.append(
             f"pretrain.steps={cfg.pretrain.steps}: data-free pretraining on synthetic shapes is "
             "available for segmentation; set pretrain.steps to 0 for classification"
@@ -187,7 +188,7 @@ def _split_problems(d: Any) -> list[str]:
             f"data.split_fold={d.split_fold}: must be >= 0 (the 0-based fold of an nnU-Net "
             "splits_final.json)"
         )
-    if d.split_file is not None and d.task != "segmentation":
+    if d.split_file is not None and d.task != TaskKind.SEGMENTATION:
         problems.append(
             "data.split_file: applies to segmentation folders (a classification .npz holds its "
             "own train/val/test arrays); drop the field"
