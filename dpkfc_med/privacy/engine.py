@@ -160,6 +160,7 @@ class PrivacyEngine(PreconditionerRefreshes):
         ledger_path: str | Path | None = None,
         diagnostics: bool = True,
         clipping: Clipping | str = Clipping.PER_SAMPLE,
+        stp_eps: float | None = None,
         mechanism_extra: Mapping[str, object] | None = None,
     ) -> tuple[PreconditionedGradSampleModule, ScaleThenPrivatizeOptimizer, DataLoader]:
         """Wrap for private training.
@@ -209,6 +210,9 @@ class PrivacyEngine(PreconditionerRefreshes):
                 whichever costs fewer multiply-adds by the layer's shapes). The clipped sum,
                 the noise and the guarantee are the same in every mode. ``dp-stp`` clips
                 per sample (``"auto"`` picks it; ``"ghost"`` is refused).
+            stp_eps: dp-stp: the constant added to ``sqrt(v_hat)`` in its scale (``None``: the
+                base optimizer's ``eps``, else 1e-8; :meth:`~dpkfc_med.privacy.stp.
+                SecondMomentScale.for_optimizer`).
             mechanism_extra: what else defines the mechanism that only the caller knows
                 (e.g. ``{"precision": ..., "unit": ...}``). Over several processes every
                 rank's mechanism -- these fields, the method, ``C``, ``sigma``, ``q``, the
@@ -245,6 +249,8 @@ class PrivacyEngine(PreconditionerRefreshes):
                 clipping = stp_clipping(clipping)
             except ValueError as err:
                 problems.append(str(err))
+            if stp_eps is not None and not stp_eps > 0:
+                problems.append(f"stp_eps={stp_eps!r}: must be > 0 (or None for the default)")
             if isinstance(optimizer, DPAdamBC):
                 problems.append(
                     "method=dp-stp with DPAdamBC: the released gradient's noise is s * N(0, "
@@ -304,25 +310,24 @@ class PrivacyEngine(PreconditionerRefreshes):
             for name, m in gsm._module.named_modules()
             for p_name, p in m.named_parameters(recurse=False)
         }
-        optimizer_class = (
-            SecondMomentScaleOptimizer
+        stages: dict[str, Any] = {
+            "noise_multiplier": noise_multiplier,
+            "max_grad_norm": max_grad_norm,
+            "expected_batch_size": expected,
+            "loss_reduction": loss_reduction,
+            "generator": self.noise_generator,
+            "secure_mode": self.secure_mode,
+            "max_steps": max_steps,
+            "diagnostics": diagnostics,
+            "param_owners": owners,
+            "raw_norms_sq": gsm.raw_norms_sq,
+            "world": self.world,
+            "ghost_rows": gsm.ghost_rows,
+        }
+        opt = (
+            SecondMomentScaleOptimizer(optimizer, scale_eps=stp_eps, **stages)
             if self.method is Method.DP_STP
-            else ScaleThenPrivatizeOptimizer
-        )
-        opt = optimizer_class(
-            optimizer,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=expected,
-            loss_reduction=loss_reduction,
-            generator=self.noise_generator,
-            secure_mode=self.secure_mode,
-            max_steps=max_steps,
-            diagnostics=diagnostics,
-            param_owners=owners,
-            raw_norms_sq=gsm.raw_norms_sq,
-            world=self.world,
-            ghost_rows=gsm.ghost_rows,
+            else ScaleThenPrivatizeOptimizer(optimizer, **stages)
         )
         opt.attach_step_hook(self._record_step)
         if isinstance(optimizer, DPAdamBC):  # bias correction for this mechanism's noise
@@ -347,6 +352,7 @@ class PrivacyEngine(PreconditionerRefreshes):
                     "refresh_every": refresh_every if self.method is Method.DP_KFC else None,
                     "probe_seed": probe_seed if self.method is Method.DP_KFC else None,
                     "preconditioner": preconditioner,
+                    "stp_eps": stp_eps if self.method is Method.DP_STP else None,
                     **{f"model_{k}": v for k, v in module_digests(gsm._module).items()},
                     **dict(mechanism_extra or {}),
                 }

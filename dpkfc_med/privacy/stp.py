@@ -123,13 +123,24 @@ class SecondMomentScale:
 
     @classmethod
     def for_optimizer(
-        cls, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]
+        cls,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[nn.Parameter],
+        *,
+        eps: float | None = None,
     ) -> SecondMomentScale:
-        """The scale with the base optimizer's ``betas[1]`` and ``eps`` (Adam's), else defaults."""
+        """The scale with the base optimizer's ``betas[1]`` and ``eps`` (Adam's), else defaults.
+
+        ``eps``: the scale's own constant instead (jax_privacy's ``eps``: a large one scales
+        every coordinate alike, DP-SGD in the limit; Adam's 1e-8 lets coordinates whose noisy
+        second moment is small dominate the clipped norm; tune it between the two).
+        """
         group = optimizer.param_groups[0] if optimizer.param_groups else {}
         betas = group.get("betas")
         beta2 = float(betas[1]) if betas is not None else DEFAULT_BETA2
-        return cls(params, beta2=beta2, eps=float(group.get("eps", DEFAULT_EPS)))
+        if eps is None:
+            eps = float(group.get("eps", DEFAULT_EPS))
+        return cls(params, beta2=beta2, eps=eps)
 
     def scales(self) -> list[Tensor] | None:
         """``s`` per parameter, or ``None`` before the first release (``s = 1``)."""
@@ -178,6 +189,7 @@ class SecondMomentScaleOptimizer(ScaleThenPrivatizeOptimizer):
         optimizer: the base optimizer; its ``betas[1]`` and ``eps`` (Adam's) set the scale's,
             unless ``scale`` is given.
         scale: the scale (default: :meth:`SecondMomentScale.for_optimizer`).
+        scale_eps: the default scale's ``eps`` (``None``: the base optimizer's, or 1e-8).
         **kwargs: :class:`ScaleThenPrivatizeOptimizer`'s keyword arguments.
 
     Privacy guarantee:
@@ -190,6 +202,7 @@ class SecondMomentScaleOptimizer(ScaleThenPrivatizeOptimizer):
         optimizer: torch.optim.Optimizer,
         *,
         scale: SecondMomentScale | None = None,
+        scale_eps: float | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("preconditioner") is not None:
@@ -198,7 +211,9 @@ class SecondMomentScaleOptimizer(ScaleThenPrivatizeOptimizer):
             )
         super().__init__(optimizer, **kwargs)
         self.scale = (
-            scale if scale is not None else SecondMomentScale.for_optimizer(optimizer, self.params)
+            scale
+            if scale is not None
+            else SecondMomentScale.for_optimizer(optimizer, self.params, eps=scale_eps)
         )
         self._scales: list[Tensor] | None = None
 

@@ -257,6 +257,10 @@ class PrivacyConfig:
             to float rounding: Opacus' formulas for Linear and normalisation layers, the
             layer adapter's rows or the layer's own kernel for convolutions). The clipped
             sum, the noise and the guarantee are the same in every mode.
+        stp_eps: method ``dp-stp``: the constant added to ``sqrt(v)`` in its scale ``s``
+            (``null``: the optimizer's ``eps``, 1e-8). Large values scale every coordinate
+            alike (DP-SGD in the limit); small ones let coordinates whose noisy second moment
+            is small dominate the clipped norm.
     """
 
     target_epsilon: float = 1.0
@@ -267,6 +271,7 @@ class PrivacyConfig:
     secure_rng: bool = False
     reproducible_noise: bool = False
     clipping: str = "auto"
+    stp_eps: float | None = None
 
 
 @dataclass

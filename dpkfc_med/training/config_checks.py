@@ -59,6 +59,7 @@ CHOICES: dict[str, list[str]] = {
 POSITIVE = {
     "privacy.target_epsilon",
     "privacy.max_grad_norm",
+    "privacy.stp_eps",
     "training.epochs",
     "training.batch_size",
     "training.lr",

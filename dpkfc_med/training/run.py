@@ -403,6 +403,8 @@ def _make_private(
             "refresh_budget": cfg.probes.refresh_budget,
             "probe_seed": cfg.probes.seed,
         }
+    if method.scaled:
+        kw = {"stp_eps": cfg.privacy.stp_eps}
     if method.preconditioned and cfg.training.progress:  # the first refresh can take minutes
         print(
             f"{method.value}: building the preconditioner from {cfg.probes.num_probes} synthetic "

@@ -262,6 +262,13 @@ def test_adams_betas_set_the_scale_and_the_scale_survives_a_checkpoint(float64):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-6)
     eng, pm, popt = _engine(model, x, y, optimizer=opt)
     assert (popt.scale.beta2, popt.scale.eps) == (0.99, 1e-6)
+    other = tiny_cnn_2d()
+    _, _, popt_eps = _engine(
+        other, x, y, optimizer=torch.optim.Adam(other.parameters()), stp_eps=1e-3
+    )
+    assert popt_eps.scale.eps == 1e-3  # privacy.stp_eps: the scale's own constant
+    with pytest.raises(ValueError, match=r"stp_eps=0.0: must be > 0"):
+        _engine(tiny_cnn_2d(), x, y, stp_eps=0.0)
     for _ in range(2):
         _step(pm, popt, x[:8], y[:8])
     state = eng.state_dict()
@@ -283,6 +290,8 @@ def test_a_config_with_ghost_clipping_or_adambc_is_refused_at_load():
     assert "privacy.clipping=ghost: the elementwise scale s breaks" in text
     assert "training.optimizer=adambc: DP-AdamBC subtracts a constant noise variance" in text
     assert load_config(cfg, ["method=dp-stp"]).method_enum.scaled
+    with pytest.raises(ConfigError, match="stp_eps"):
+        load_config(cfg, ["method=dp-stp", "privacy.stp_eps=-1.0"])
 
 
 @pytest.mark.skipif(not PNEUMONIA.is_file(), reason="needs the shared PneumoniaMNIST file")
@@ -297,6 +306,7 @@ def test_a_tiny_dp_stp_run_from_the_cli_completes_and_names_its_method(tmp_path)
         "training.epochs=1",
         "training.batch_size=32",
         "training.progress=false",
+        "privacy.stp_eps=0.001",
     ]
     out = tmp_path / "run"
     args = ["train", str(ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"), "--out", str(out)]
@@ -307,3 +317,4 @@ def test_a_tiny_dp_stp_run_from_the_cli_completes_and_names_its_method(tmp_path)
     assert report["preconditioner"] is None and report["privacy"]["steps"] >= 1
     md = (out / "privacy_report.md").read_text(encoding="utf-8")
     assert "DP-STP (scale-then-privatize): per-image gradients divided elementwise" in md
+    assert report["run"]["config"]["privacy"]["stp_eps"] == 0.001
