@@ -219,6 +219,23 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set a private-run field (e.g. privacy.max_grad_norm=0.5, training.eval_every=2)",
     )
+    t.add_argument(
+        "--pretrained",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="fine-tune privately from the bundle's own models/model.pt (no PATH), or from PATH "
+        "(a state dict, a run's model.pt or a bundle folder): model.pretrained with its checks; "
+        "the weights must not have been trained on this data",
+    )
+    t.add_argument(
+        "--pretrained-source",
+        default=None,
+        metavar="TEXT",
+        help="where the weights come from, as the shareable report shows it (e.g. 'MONAI Model "
+        "Zoo spleen_ct_segmentation 0.5.4'); without it the report says 'source not stated'",
+    )
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     return p
 
@@ -462,6 +479,8 @@ def _bundle(args: argparse.Namespace) -> int:
             overrides=args.override,
             settings=args.settings,
             allow_data_dependent=args.allow_data_dependent,
+            pretrained=args.pretrained,
+            pretrained_source=args.pretrained_source,
             resume=args.resume,
         )
         eps = (

@@ -10,7 +10,12 @@ The bundle is self-contained::
 
 Only the shareable part of the run directory is exported; nothing under
 ``private_not_for_release/`` (un-noised statistics, case ids, overlays) and neither the
-checkpoint nor the ledger's working files leave the run.
+checkpoint nor the ledger's working files leave the run. The run's data fingerprint leaves only
+as a tag under this custodian's secret key
+(:func:`~dpkfc_med.models.pretrained.training_data_tag`), so that fine-tuning the exported
+weights on the same data can be refused here. A run fine-tuned from pretrained weights names
+them in the metadata (digest and stated source); its LoRA adapters are already merged into
+``model.pt``, so the bundle runs with MONAI alone.
 
 ``RUN_DIR`` may also be the folder of an accounted tuning (``dpkfc-med tune --out``): the
 bundle then holds the best trial's model, ``docs/tuning_report.*`` instead of the run's privacy
@@ -41,10 +46,12 @@ from dpkfc_med.bundle.metadata import (
     bundle_metadata,
     dp_block,
     metadata_problems,
+    pretrained_block,
     sha256_file,
 )
 from dpkfc_med.bundle.network import network_definition
 from dpkfc_med.bundle.tuned import TUNING_REPORT_FILES, check_tuning, is_tuning, tuning_dp_block
+from dpkfc_med.models.pretrained import TAG_FIELD, training_data_tag
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.status import RunStatus
@@ -184,6 +191,13 @@ def export_bundle(run_dir: str | Path, out_dir: str | Path) -> Path:
         source = f"the accounted tuning of {tuned.record['config'].get('name', 'a run')}"
         words = dp["tuning"]["in_words"]
         what = f"The released model of an {words[0].lower()}{words[1:]}"
+    trained = run if tuned is None else tuned.trial_dir
+    start = pretrained_block((report if tuned is None else tuned.trial_report).get("model") or {})
+    if start is not None:
+        dp["pretrained_weights"] = start
+    tag = training_data_tag(trained)  # lets this custodian refuse fine-tuning on the same data
+    if tag is not None:
+        dp[TAG_FIELD] = tag
     meta = bundle_metadata(
         cfg,
         task,
@@ -240,6 +254,12 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
             f"{dp['max_grad_norm']:g}; {dp['steps']} steps",
             *[f"- WARNING: {w}" for w in dp["headline_warnings"]],
         ]
+    start = dp.get("pretrained_weights")
+    if start:
+        lines.append(
+            f"- fine-tuned ({start['fine_tuning']}) from pretrained weights: SHA-256 "
+            f"`{start['sha256']}`, source: {start['source']}. {start['covered']}"
+        )
         if others:
             lines.append(
                 f"- other accountants, bounds on the same mechanism (not the stated epsilon): "

@@ -11,7 +11,9 @@ method, accountant, target and spent epsilon at delta (per accountant, from the 
 unit of privacy, sampler and rate, noise multiplier, clip norm, steps, and the SHA-256 of the
 privacy report shipped in ``docs/``; the released model of an accounted tuning adds a
 ``tuning`` entry (:mod:`dpkfc_med.bundle.tuned`). A non-private run says
-``NO PRIVACY GUARANTEE`` in its ``task``, ``description`` and privacy block.
+``NO PRIVACY GUARANTEE`` in its ``task``, ``description`` and privacy block. A run fine-tuned
+from pretrained weights names them (:func:`pretrained_block`: digest and stated source) and
+says the guarantee covers the fine-tuning only.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "dp_block",
     "metadata_problems",
     "network_data_format",
+    "pretrained_block",
     "sha256_file",
     "versions",
 ]
@@ -255,6 +258,34 @@ def dp_block(
     return block
 
 
+def pretrained_block(model: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The public weights a run was fine-tuned from, for the ``differential_privacy`` block.
+
+    Args:
+        model: The ``model`` section of the run's ``privacy_report.json``.
+
+    Returns:
+        ``sha256`` and ``source`` (as the user stated it, or "not stated"), ``format``,
+        ``fine_tuning`` (the mode; LoRA adapters are merged into the released weights) and
+        ``covered`` (what the guarantee covers); ``None`` for a run trained from scratch.
+    """
+    weights = model.get("pretrained")
+    if not isinstance(weights, Mapping):
+        return None
+    mode = model.get("finetune") or "full"
+    return {
+        "sha256": weights.get("sha256"),
+        "source": weights.get("source") or "not stated",
+        "format": weights.get("format"),
+        "fine_tuning": mode
+        + (" (adapters merged into the released weights)" if mode == "lora" else ""),
+        "covered": "The released weights were fine-tuned privately from these weights: the "
+        "guarantee covers the private fine-tuning only. Whatever the starting weights reveal "
+        "about their own training data is not covered, so they must not have been trained on "
+        "the private data.",
+    }
+
+
 def _text(value: Any) -> str:
     """An option as its plain string (enums included)."""
     return str(getattr(value, "value", value))
@@ -370,6 +401,13 @@ def bundle_metadata(
             )
     else:
         eps_words = "no differential privacy"
+    start = dp.get("pretrained_weights")
+    started = (
+        f" Fine-tuned from pretrained weights (SHA-256 {start['sha256']}; source: "
+        f"{start['source']}); the guarantee covers the private fine-tuning only."
+        if isinstance(start, Mapping)
+        else ""
+    )
     kind = (
         f"{task['spatial_dims']}D segmentation of {', '.join(names[1:])}"
         if seg
@@ -391,8 +429,8 @@ def bundle_metadata(
         "task": f"{loud}{kind} ({cfg.model.name}) trained with {eps_words}",
         "description": (
             f"{loud}{what} Network {cfg.model.name} for {cfg.data.task} (modality: "
-            f"{modality}; data: {source}), trained by dpkfc-med with {eps_words}. The privacy "
-            "guarantee, its unit and what it does not cover are in "
+            f"{modality}; data: {source}), trained by dpkfc-med with {eps_words}.{started} The "
+            "privacy guarantee, its unit and what it does not cover are in "
             f"`differential_privacy` and {report_md}."
         ),
         "authors": "dpkfc-med (differentially private training of MONAI models)",

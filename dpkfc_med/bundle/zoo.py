@@ -44,6 +44,7 @@ from dpkfc_med.bundle.guards import (
     output_problems,
     user_handlers,
 )
+from dpkfc_med.bundle.pretrained import model_keys_allowed, use_pretrained
 from dpkfc_med.bundle.zoo_task import (
     BundleConfigError,
     bundle_task,
@@ -195,6 +196,8 @@ def prepare_bundle(
     overrides: Sequence[str] = (),
     settings: Sequence[str] = (),
     allow_data_dependent: Sequence[str] = (),
+    pretrained: str | bool | None = None,
+    pretrained_source: str | None = None,
 ) -> PreparedBundle:
     """Read, check and translate a bundle for the private engine.
 
@@ -213,6 +216,9 @@ def prepare_bundle(
         allow_data_dependent: Ids of training inputs computed from the private data lists
             (:func:`~dpkfc_med.bundle.guards.data_dependent_inputs`) to train with anyway,
             each listed in the report as not covered; any other such input is refused.
+        pretrained: Start from these weights: ``True`` for the bundle's ``models/model.pt``,
+            else a weights file or bundle folder (:mod:`dpkfc_med.bundle.pretrained`).
+        pretrained_source: Where the weights come from, as the report may show it.
 
     The bundle's ``private_training`` section (run-config fields: ``method``, ``privacy``,
     ``training``, ``pretrain``, ``probes``, ``preconditioner``, ``data`` statements such as
@@ -278,6 +284,8 @@ def prepare_bundle(
              "target_epsilon in the bundle's train config"]
         )  # fmt: skip
     raw = apply_overrides(raw, list(settings)) if settings else raw
+    use_pretrained(raw, parser, bundle, pretrained=pretrained, source=pretrained_source,
+                   settings=settings)  # fmt: skip
     cfg = config_from_dict(raw, f"{bundle} (bundle train)")
     seed = None if cfg.privacy.secure_rng else cfg.training.seed
     task = bundle_task(parser, bundle, unit_key, seed, fmt)
@@ -324,6 +332,8 @@ def prepare_bundle(
         "overrides": list(overrides),
         "settings": list(settings),
         "allow_data_dependent": list(allow_data_dependent),
+        "pretrained": cfg.model.pretrained,
+        "pretrained_source": cfg.model.pretrained_source,
     }
     return PreparedBundle(
         cfg, task, network, [_fix_dict(f) for f in fixes], handlers, replaced, options, parser
@@ -352,6 +362,7 @@ def _private_training(parser: Any) -> dict[str, Any]:
         f"private_training#{key}"
         for key in _FROM_COMPONENTS
         if has_id(parser, f"private_training#{key}")
+        and not (key == "model" and model_keys_allowed(parser))  # model.pretrained* only
     ]
     if taken:
         raise BundleConfigError(

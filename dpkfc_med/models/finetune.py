@@ -358,6 +358,15 @@ def prepare_finetune(model: nn.Module, model_cfg: Any, training_cfg: Any) -> Fin
             pretrained["sha256"],
             pretrained["source"],
         )
+        if not model_cfg.pretrained_source:
+            log.warning(
+                "model.pretrained: where the weights %s come from is not stated, and the "
+                "shareable report will say so (source: not stated); state it with "
+                "--pretrained-source TEXT (bundle train) or model.pretrained_source: the "
+                "guarantee covers the private fine-tuning only, so the weights must not have "
+                "been trained on this private data",
+                pretrained["path"],
+            )
     record = apply_finetune(
         model,
         training_cfg.finetune,

@@ -12,12 +12,23 @@ Privacy guarantee:
     report names them by SHA-256 digest and the user's statement of their source. Weights
     whose own run record (the custodian report beside a run's ``model.pt``) shows they were
     trained on data with this run's fingerprint are refused (:func:`same_data_problems`).
+
+    An exported bundle carries no run record: the data fingerprint is custodian-only (released,
+    it would let someone holding every record but one test candidates for the last). It
+    carries :func:`training_data_tag` instead, the fingerprint under a secret key of the
+    exporting custodian (HMAC-SHA256, Bellare et al. 1996), which only that custodian can
+    compare with a new run's data.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
+import os
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,13 +41,20 @@ from dpkfc_med.data.paths import sha256_file
 __all__ = [
     "PretrainedWeightsError",
     "compile_patterns",
+    "custodian_key",
     "load_pretrained",
     "read_pretrained",
     "same_data_problems",
+    "training_data_tag",
 ]
 
 RUN_RECORD = Path("private_not_for_release") / "custodian_report.json"
 """Where a run keeps its data fingerprint, relative to its folder (the run's ``model.pt``)."""
+KEY_ENV = "DPKFC_MED_CUSTODIAN_KEY"
+"""Environment variable naming the custodian's key file (default :data:`DEFAULT_KEY`)."""
+DEFAULT_KEY = Path("~/.config/dpkfc-med/custodian.key")
+TAG_FIELD = "training_data_tag"
+"""Key of the tag in an exported bundle's ``differential_privacy`` metadata block."""
 
 log = logging.getLogger("dpkfc_med")
 
@@ -282,39 +300,152 @@ def _map_classes(
     return out
 
 
+def custodian_key(*, create: bool = False) -> bytes | None:
+    """This custodian's secret key for data tags (32 random bytes, hex, in a 0600 file).
+
+    The file is :data:`KEY_ENV` or :data:`DEFAULT_KEY`; it never leaves the custodian's machine.
+
+    Args:
+        create: Write a new key when there is none (export does; checks only read).
+
+    Returns:
+        The key, or ``None`` when there is none (or it cannot be read or written).
+    """
+    path = Path(os.environ.get(KEY_ENV) or DEFAULT_KEY).expanduser()
+    try:
+        if path.is_file():
+            return bytes.fromhex(path.read_text(encoding="utf-8").strip())
+        if not create:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # O_EXCL: of two processes creating it at once, both end up with the first key
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(secrets.token_hex(32) + "\n")
+        except FileExistsError:
+            pass
+        return bytes.fromhex(path.read_text(encoding="utf-8").strip())
+    except (OSError, ValueError) as err:
+        log.warning("custodian key %s: %s; exported bundles carry no data tag", path, err)
+        return None
+
+
+def _key_id(key: bytes) -> str:
+    return hashlib.sha256(b"dpkfc-med custodian key id\0" + key).hexdigest()[:16]
+
+
+def _tags(key: bytes, salt: str, fingerprints: Iterable[str]) -> list[str]:
+    return sorted(
+        hmac.new(key, f"{salt}\0{fp}".encode(), hashlib.sha256).hexdigest() for fp in fingerprints
+    )
+
+
+def training_data_tag(run_dir: str | Path) -> dict[str, Any] | None:
+    """The data tag an exported bundle carries: the run's data fingerprint under this key.
+
+    ``tags`` are HMAC-SHA256 of each ``data.sha256`` value of the run record, keyed by
+    :func:`custodian_key` and salted per export (two bundles of one data set do not match);
+    without the key they say nothing about the data.
+
+    Args:
+        run_dir: The run whose record (:data:`RUN_RECORD`) holds the data fingerprint.
+
+    Returns:
+        ``scheme``, ``key_id``, ``salt`` and ``tags``; ``None`` without a record or a key.
+    """
+    fingerprints = _record_fingerprints(Path(run_dir) / RUN_RECORD)
+    key = custodian_key(create=True) if fingerprints else None
+    if not fingerprints or key is None:
+        return None
+    salt = secrets.token_hex(16)
+    return {
+        "scheme": "HMAC-SHA256 of each training-data fingerprint under the exporting "
+        "custodian's secret key (dpkfc-med); lets that custodian refuse fine-tuning these "
+        "weights on the same data, says nothing about the data to anyone else",
+        "key_id": _key_id(key),
+        "salt": salt,
+        "tags": _tags(key, salt, fingerprints.values()),
+    }
+
+
+def _record_fingerprints(record: Path) -> dict[str, str]:
+    """``data.sha256`` of a run record (empty when there is none or it cannot be read)."""
+    if not record.is_file():
+        return {}
+    try:
+        data = json.loads(record.read_text(encoding="utf-8")).get("data") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(k): str(v) for k, v in (data.get("sha256") or {}).items()}
+
+
+def _bundle_metadata(p: Path) -> Path | None:
+    """``configs/metadata.json`` of the bundle holding weights ``p`` (its folder or file)."""
+    root = p if p.is_dir() else (p.parent.parent if p.parent.name == "models" else None)
+    meta = root / "configs" / "metadata.json" if root is not None else None
+    return meta if meta is not None and meta.is_file() else None
+
+
 def same_data_problems(path: str | Path | None, fingerprints: dict[str, str] | None) -> list[str]:
     """Refusal lines when weights were trained on data with this run's fingerprint.
 
-    A run's ``model.pt`` has its run record beside it (:data:`RUN_RECORD`, custodian-only);
-    when that record's data fingerprint (``data.sha256``) shares a digest with this run's,
-    the weights were trained on these private records: the guarantee would cover the
-    fine-tuning while the start already holds the data, so the run is refused. Weights
-    without a run record (a public release, an exported bundle) cannot be checked here; the
-    user's statement of their source (``model.pretrained_source``) is what the report shows.
+    Two records show where weights come from:
+
+    - a run's ``model.pt`` has its run record beside it (:data:`RUN_RECORD`, custodian-only);
+      its data fingerprint (``data.sha256``) sharing a digest with this run's means the
+      weights were trained on these private records;
+    - a bundle exported by ``dpkfc-med bundle export`` (the weights file in its
+      ``models/``, or its folder) carries :func:`training_data_tag` in its metadata; when it
+      was exported under this custodian's key, a tag equal to one of this run's fingerprint
+      under the same key and salt means the same.
+
+    Either way the guarantee would cover the fine-tuning while the start already holds the
+    data, so the run is refused. Weights with neither record (a public release, a bundle
+    exported elsewhere) cannot be checked; the user's statement of their source
+    (``model.pretrained_source``) is what the report shows.
 
     Args:
         path: ``model.pretrained`` (a weights file or a bundle folder), or ``None``.
         fingerprints: This run's data fingerprint (name -> SHA-256).
     """
-    import json
-
     if not path or not fingerprints:
         return []
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     record = folder / RUN_RECORD
-    if not record.is_file():
-        return []
-    try:
-        theirs = (json.loads(record.read_text(encoding="utf-8")).get("data") or {}).get("sha256")
-    except (OSError, ValueError):
-        return []
-    shared = sorted(set((theirs or {}).values()) & set(fingerprints.values()))
+    shared = sorted(set(_record_fingerprints(record).values()) & set(fingerprints.values()))
+    where = f"their run record {record} has the same data fingerprint"
+    meta = _bundle_metadata(p) if not shared else None
+    if meta is not None:
+        shared = _tagged(meta, fingerprints)
+        where = f"their bundle metadata {meta} carries the tag of this run's data fingerprint"
     if not shared:
         return []
     return [
-        f"{p}: these weights were trained on this run's private data (their run record "
-        f"{record} has the same data fingerprint, SHA-256 {shared[0][:16]}...); starting from "
-        "them, the guarantee would cover nothing of what the weights already hold about these "
-        "records: start from weights trained on public data, or from no weights"
+        f"{p}: these weights were trained on this run's private data ({where}, SHA-256 "
+        f"{shared[0][:16]}...); starting from them, the guarantee would cover nothing of what "
+        "the weights already hold about these records: start from weights trained on public "
+        "data, or from no weights"
     ]
+
+
+def _tagged(meta: Path, fingerprints: dict[str, str]) -> list[str]:
+    """This run's fingerprints whose tag an exported bundle's metadata carries."""
+    try:
+        dp = json.loads(meta.read_text(encoding="utf-8")).get("differential_privacy") or {}
+        tag = dp.get(TAG_FIELD) or {}
+        key_id, salt, tags = tag.get("key_id"), str(tag.get("salt")), set(tag.get("tags") or [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not tags:
+        return []
+    key = custodian_key()
+    if key is None or _key_id(key) != key_id:
+        log.info(
+            "model.pretrained: %s was exported by another custodian (key %s); whether its "
+            "weights were trained on this data cannot be checked here",
+            meta,
+            key_id,
+        )
+        return []
+    return sorted(fp for fp in set(fingerprints.values()) if _tags(key, salt, [fp])[0] in tags)
