@@ -16,6 +16,7 @@ Privacy guarantee:
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +48,15 @@ from dpkfc_med.probes.sources import ProbeSource, probe_source_problems
 from dpkfc_med.utils import check_choice
 
 __all__ = ["Method", "PrivacyEngine", "check_loader_sampling", "check_model_compatible"]
+
+log = logging.getLogger(__name__)
+
+STP_NEEDS_ADAPTIVE = (
+    "dp-stp with an optimizer that keeps no second moment (%s): the released gradient is "
+    "multiplied by s, about the released noise's own scale (sigma C / B at the first step, "
+    "shrinking after), so SGD's steps shrink by that factor; use adam, whose second moment "
+    "undoes s, or raise the lr"
+)
 
 
 def check_model_compatible(model: nn.Module) -> None:
@@ -330,6 +340,8 @@ class PrivacyEngine(PreconditionerRefreshes):
             else ScaleThenPrivatizeOptimizer(optimizer, **stages)
         )
         opt.attach_step_hook(self._record_step)
+        if self.method is Method.DP_STP and "betas" not in optimizer.defaults:
+            log.warning(STP_NEEDS_ADAPTIVE, type(optimizer).__name__)
         if isinstance(optimizer, DPAdamBC):  # bias correction for this mechanism's noise
             optimizer.set_noise(noise_multiplier, max_grad_norm, expected)
         if self.world.distributed:  # one mechanism on every rank, checked before any step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,18 @@ def test_ghost_clipping_and_dpadambc_are_refused_and_auto_clips_per_sample():
         _engine(model, x, y, optimizer=DPAdamBC(model.parameters(), lr=1e-3))
     _, pm, _ = _engine(tiny_cnn_2d(), x, y, clipping="auto")
     assert pm.clipping == "per_sample"
+
+
+def test_sgd_is_warned_that_its_steps_shrink_with_the_scale(caplog):
+    x, y = _data()
+    with caplog.at_level(logging.WARNING, logger="dpkfc_med.privacy.engine"):
+        _engine(tiny_cnn_2d(), x, y)
+    assert "dp-stp with an optimizer that keeps no second moment (SGD)" in caplog.text
+    caplog.clear()
+    model = tiny_cnn_2d()
+    with caplog.at_level(logging.WARNING, logger="dpkfc_med.privacy.engine"):
+        _engine(model, x, y, optimizer=torch.optim.Adam(model.parameters()))
+    assert "dp-stp" not in caplog.text
 
 
 def test_adams_betas_set_the_scale_and_the_scale_survives_a_checkpoint(float64):
