@@ -125,8 +125,9 @@ def _own_process_state() -> Iterator[None]:
     """Every test starts from the same seeds and leaves the process as it found it.
 
     Run in one process, a test would otherwise see what earlier ones left: a training run
-    leaves the ``dpkfc_med`` log writing to its ``train.log`` with ``propagate=False``
-    (``caplog`` sees nothing after it) and may set ``training.threads``; SimpleITK's DICOM
+    leaves the ``dpkfc_med`` log writing to its ``train.log`` with ``propagate=False`` (an
+    open file in its tmp folder, which every later test's log lines go to) and may set
+    ``training.threads``; SimpleITK's DICOM
     writer (GDCM) sets the C locale, under which text read without an explicit encoding is
     ASCII; ``monai.bundle run`` puts a bundle folder on ``sys.path``.
     """
