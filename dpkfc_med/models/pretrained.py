@@ -121,7 +121,11 @@ def read_pretrained(path: str | Path) -> tuple[dict[str, Tensor], str, Path]:
             ]
         )
     try:  # tensors and plain containers only: an external pickle must not run code
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        from dpkfc_med.tasks.kinds import TaskKind
+
+        # a run's model.pt records its task kind as this str enum: allowed, nothing else
+        with torch.serialization.safe_globals([TaskKind]):
+            obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for foreign or unsafe pickles
         raise PretrainedWeightsError(
             [
