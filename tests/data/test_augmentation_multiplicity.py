@@ -194,3 +194,19 @@ def test_views_per_unit_are_refused_for_segmentation():
     assert any("segmentation draws data.patches_per_unit" in p for p in err.value.problems)
     with pytest.raises(ConfigError, match="must be"):
         load_config(CONFIG, ["data.augmentations_per_unit=0"])
+
+
+def test_a_patients_images_each_give_k_views_under_one_unit():
+    from dpkfc_med.data.units import UnitImageDataset
+
+    x, y = _images(5)
+    groups = [torch.tensor([0, 3]).numpy(), torch.tensor([1]).numpy(), torch.tensor([2, 4]).numpy()]
+    patients = UnitImageDataset(x, y, groups, ["p0", "p1", "p2"])
+    aug = AugmentedUnits(patients, 3, RandomShiftFlip(), seed=0)
+    assert aug.max_images_per_unit == 6
+    item = aug[0]
+    assert item["unit_id"] == "p0" and item["image"].shape == (6, 1, 8, 8)
+    assert item["index"].tolist() == [0, 0, 0, 3, 3, 3]
+    assert torch.equal(item["label"], y[[0, 0, 0, 3, 3, 3]])
+    batch = UnitCollate(1, (8, 8))([item, aug[1], aug[2]])
+    assert batch["unit"].tolist() == [0] * 6 + [1] * 3 + [2] * 6
