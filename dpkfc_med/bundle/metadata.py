@@ -34,6 +34,7 @@ __all__ = [
     "dp_block",
     "metadata_problems",
     "network_data_format",
+    "preconditioner_block",
     "pretrained_block",
     "sha256_file",
     "versions",
@@ -192,7 +193,16 @@ def network_data_format(task: Mapping[str, Any], *, modality: str) -> dict[str, 
     return {"inputs": {"image": image}, "outputs": {"pred": pred}}
 
 
-def _preconditioner(report: Mapping[str, Any]) -> dict[str, Any] | None:
+def preconditioner_block(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``preconditioner`` entry of the ``differential_privacy`` block.
+
+    Args:
+        report: A run's ``privacy_report.json`` (or a tuning trial's record of one).
+
+    Returns:
+        The curvature family and factors, the probe source's kind, whether it used private
+        data and the number of refreshes; ``None`` for a method without a preconditioner.
+    """
     pre = report.get("preconditioner")
     if not pre:
         return None
@@ -226,7 +236,7 @@ def dp_block(
     """
     p = report["privacy"]
     private = bool(p.get("private"))
-    pre = _preconditioner(report)
+    pre = preconditioner_block(report)
     block: dict[str, Any] = {
         "private": private,
         "guarantee": p.get("guarantee") if private else f"{NO_GUARANTEE}: non-private training",

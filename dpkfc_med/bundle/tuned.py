@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from dpkfc_med.bundle.metadata import MECHANISM, _preconditioner, sha256_file
+from dpkfc_med.bundle.metadata import MECHANISM, preconditioner_block, sha256_file
 from dpkfc_med.report.numbers import format_epsilon
 
 __all__ = [
@@ -240,7 +240,7 @@ def tuning_dp_block(release: TunedRelease, *, report_sha256: str) -> dict[str, A
         "headline_warnings": list(tp.get("headline_warnings") or []),
         "mechanism": f"{tuning['mechanism']}; each trial's training: {MECHANISM}",
         "method": tp.get("method"),
-        "preconditioner": _preconditioner(trial),
+        "preconditioner": preconditioner_block(trial),
         "accountant": "rdp",
         "delta": p["delta"],
         "epsilon_target": p["target_epsilon"],

@@ -14,19 +14,26 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CLASSES_KEY"]
+__all__ = [
+    "CLASSES_KEY",
+    "class_counts",
+    "declared_class_names",
+    "label_values",
+    "undeclared_gap_problems",
+    "undeclared_problem",
+]
 
 CLASSES_KEY = "classes"
 """Optional 1-D array of class names: a declaration of the classes shipped with the data."""
 
 
-def _values(labels: np.ndarray, limit: int = 10) -> str:
+def label_values(labels: np.ndarray, limit: int = 10) -> str:
     """Distinct label values, e.g. ``[5, 7]`` (``[5, 7, ...]`` beyond ``limit``)."""
     vals = np.unique(labels).tolist()
     return str(vals[:limit])[:-1] + ", ...]" if len(vals) > limit else str(vals)
 
 
-def _undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int) -> list[str]:
+def undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int) -> list[str]:
     """Undeclared classes: refuse labels beyond a class that no split uses.
 
     Without declared classes the task has ``max(label) + 1`` classes. A class index with no
@@ -44,7 +51,7 @@ def _undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int
     gap = unused[0]
     where = [
         f"{s}_labels has {int((lab > gap).sum())} label(s) > {gap - 1} (values "
-        f"{_values(lab[lab > gap])})"
+        f"{label_values(lab[lab > gap])})"
         for s, lab in labels.items()
         if (lab > gap).any()
     ]
@@ -58,7 +65,7 @@ def _undeclared_gap_problems(labels: Mapping[str, np.ndarray], observed_max: int
     ]
 
 
-def _undeclared_problem(suggested: int) -> str:
+def undeclared_problem(suggested: int) -> str:
     """The refusal of a file whose classes nobody declared (the count is not read off labels)."""
     return (
         "the number of classes is not declared: no num_classes, no medmnist.INFO entry for this "
@@ -73,7 +80,7 @@ def _undeclared_problem(suggested: int) -> str:
     )
 
 
-def _declared_class_names(archive: Any, problems: list[str]) -> list[str]:
+def declared_class_names(archive: Any, problems: list[str]) -> list[str]:
     """Class names from the file's ``classes`` array (a declaration shipped with the data)."""
     if CLASSES_KEY not in archive.files:
         return []
@@ -94,7 +101,8 @@ def _declared_class_names(archive: Any, problems: list[str]) -> list[str]:
     return [str(v) for v in names.tolist()]
 
 
-def _class_counts(labels: torch.Tensor, num_classes: int, multilabel: bool) -> list[int]:
+def class_counts(labels: torch.Tensor, num_classes: int, multilabel: bool) -> list[int]:
+    """Examples per class: counts of ``[N]`` class ids, or column sums of ``[N, K]`` labels."""
     if multilabel:
         return [int(v) for v in labels.sum(dim=0).tolist()]
     return [int(v) for v in torch.bincount(labels, minlength=num_classes).tolist()]

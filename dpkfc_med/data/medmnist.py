@@ -54,11 +54,11 @@ from torch.utils.data import Dataset
 
 from dpkfc_med.data.classes import (
     CLASSES_KEY,
-    _class_counts,
-    _declared_class_names,
-    _undeclared_gap_problems,
-    _undeclared_problem,
-    _values,
+    class_counts,
+    declared_class_names,
+    label_values,
+    undeclared_gap_problems,
+    undeclared_problem,
 )
 from dpkfc_med.data.errors import DataValidationError
 from dpkfc_med.data.paths import sha256_file
@@ -384,7 +384,7 @@ def load_medmnist(
             arrays = {k: archive[k] for k in present if k.endswith(("_images", "_labels"))}
             unit_arrays: dict[str, np.ndarray] = {}
             problems: list[str] = []
-            file_classes = _declared_class_names(archive, problems)
+            file_classes = declared_class_names(archive, problems)
             for s in splits:
                 key = f"{s}{UNIT_IDS_SUFFIX}"
                 if key in present:
@@ -537,15 +537,15 @@ def load_medmnist(
                 if (over := int((lab >= declared).sum())) > 0:
                     problems.append(
                         f"{s}_labels has {over} label(s) >= {declared} (offending values "
-                        f"{_values(lab[lab >= declared])}), outside the {declared} classes "
+                        f"{label_values(lab[lab >= declared])}), outside the {declared} classes "
                         f"0..{declared - 1} declared by {source}; fix the labels or declare the "
                         "right classes (num_classes, data.num_classes in a run config, or flag)"
                     )
         elif infer_classes:
             classes_from = "largest label + 1 (classes not declared)"
-            problems.extend(_undeclared_gap_problems(label_arrays, observed_max))
+            problems.extend(undeclared_gap_problems(label_arrays, observed_max))
         elif label_arrays:
-            problems.append(_undeclared_problem(observed_max + 1))
+            problems.append(undeclared_problem(observed_max + 1))
 
     if problems:
         raise DataValidationError(path, problems)
@@ -563,7 +563,7 @@ def load_medmnist(
         images = _to_channel_first_float(img, layout)
         labels = torch.from_numpy(np.ascontiguousarray(lab).astype(np.int64))
         out_splits[s] = (images, labels)
-        counts[s] = _class_counts(labels, n_classes, multilabel)
+        counts[s] = class_counts(labels, n_classes, multilabel)
 
     channels = ref_sample_shape[-1] if layout.channels_last else 1
     spatial_shape = ref_sample_shape[:-1] if layout.channels_last else ref_sample_shape

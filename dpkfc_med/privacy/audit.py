@@ -76,10 +76,10 @@ from dpkfc_med.privacy.audit_bounds import (
     FDP_BOUND_SOURCE,
     GaussianPlan,
     Verdict,
-    _check_probability,
-    _counts,
-    _fdp_bound,
+    check_guess_counts,
+    check_probability,
     epsilon_lower_bound,
+    fdp_bound,
     fdp_refutes,
     gaussian_tradeoff_inverse,
     guess_counts,
@@ -230,8 +230,8 @@ def audit_scores(
         )
     if not np.all(np.isfinite(s)):
         raise ValueError("scores: non-finite values (the training run diverged?)")
-    _check_probability("confidence", confidence, open_low=True)
-    ks = _counts(m, counts)
+    check_probability("confidence", confidence, open_low=True)
+    ks = check_guess_counts(m, counts)
     per_choice = 1.0 - (1.0 - confidence) / len(ks)
     significance = 1.0 - per_choice
     candidates: list[dict[str, Any]] = []
@@ -280,7 +280,7 @@ def audit_scores(
         )
     accounted = plan.epsilon(delta) if epsilon_accounted is None else epsilon_accounted
     outcomes = [(c["guesses"], c["correct"]) for c in candidates]
-    lower, sigma_hat = _fdp_bound(plan, m, outcomes, significance, delta)
+    lower, sigma_hat = fdp_bound(plan, m, outcomes, significance, delta)
     ceiling = max_bound(m, delta=delta, confidence=confidence, counts=ks, plan=plan)
     sigma0 = plan.noise_multiplier
     at_plan = plan_tradeoff_inverse(plan.sample_rate, sigma0, plan.steps)

@@ -22,6 +22,28 @@ import numpy as np
 from scipy import stats
 from scipy.special import ndtr, ndtri
 
+__all__ = [
+    "BOUND_SOURCE",
+    "DEFAULT_CONFIDENCE",
+    "FDP_BOUND_SOURCE",
+    "GUESS_GRID",
+    "GaussianPlan",
+    "TradeoffInverse",
+    "Verdict",
+    "check_guess_counts",
+    "check_probability",
+    "epsilon_lower_bound",
+    "fdp_bound",
+    "fdp_refutes",
+    "gaussian_tradeoff_inverse",
+    "guess_counts",
+    "max_bound",
+    "one_run_p_value",
+    "plan_tradeoff_inverse",
+    "tolerated_wrong",
+    "verdict_of",
+]
+
 DEFAULT_CONFIDENCE = 0.95
 """Probability that the reported lower bound does not exceed the mechanism's true epsilon."""
 
@@ -77,7 +99,12 @@ def _check_counts(canaries: int, guesses: int, correct: int) -> None:
         raise ValueError("invalid audit counts:\n  " + "\n  ".join(problems))
 
 
-def _check_probability(name: str, value: float, *, open_low: bool) -> None:
+def check_probability(name: str, value: float, *, open_low: bool) -> None:
+    """Refuse a probability outside ``(0, 1)`` (``open_low``) or ``[0, 1)``, naming the argument.
+
+    Raises:
+        ValueError: ``name=value: must be a number in (0, 1)`` (or ``[0, 1)``).
+    """
     ok = (0 < value < 1) if open_low else (0 <= value < 1)
     if not (isinstance(value, (int, float)) and ok):
         interval = "(0, 1)" if open_low else "[0, 1)"
@@ -106,7 +133,7 @@ def one_run_p_value(
         The p-value in ``[0, 1]``.
     """
     _check_counts(canaries, guesses, correct)
-    _check_probability("delta", delta, open_low=False)
+    check_probability("delta", delta, open_low=False)
     if not (epsilon >= 0):
         raise ValueError(f"epsilon={epsilon!r}: must be >= 0")
     if correct == 0:
@@ -147,7 +174,7 @@ def epsilon_lower_bound(
     Returns:
         The lower bound, ``0.0`` when nothing is refuted (e.g. guesses at chance).
     """
-    _check_probability("confidence", confidence, open_low=True)
+    check_probability("confidence", confidence, open_low=True)
     significance = 1.0 - confidence
 
     def refuted(eps: float) -> bool:
@@ -298,7 +325,7 @@ def fdp_refutes(
         ``True`` when the claim is refuted.
     """
     _check_counts(canaries, guesses, correct)
-    _check_probability("significance", significance, open_low=True)
+    check_probability("significance", significance, open_low=True)
     if correct == 0:
         return False
     total = guesses / canaries
@@ -390,7 +417,9 @@ def max_bound(
     the f-DP test, the plan's ``q`` and ``T``). When it does not exceed the accounted epsilon
     the audit cannot refute the claim, whatever the run does.
     """
-    return _max_bound(canaries, float(delta), float(confidence), _counts(canaries, counts), plan)
+    return _max_bound(
+        canaries, float(delta), float(confidence), check_guess_counts(canaries, counts), plan
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -406,10 +435,15 @@ def _max_bound(
             for k in ks
         )
     outcomes = [(2 * k, 2 * k) for k in ks]
-    return _fdp_bound(plan, canaries, outcomes, 1.0 - per_choice, delta)[0]
+    return fdp_bound(plan, canaries, outcomes, 1.0 - per_choice, delta)[0]
 
 
-def _counts(m: int, counts: Sequence[int] | None) -> tuple[int, ...]:
+def check_guess_counts(m: int, counts: Sequence[int] | None) -> tuple[int, ...]:
+    """The guess counts ``k`` to test on ``m`` canaries (default :func:`guess_counts`).
+
+    Raises:
+        ValueError: a count that is not an integer with ``1 <= k <= m / 2``.
+    """
     ks = tuple(guess_counts(m) if counts is None else counts)
     bad = [k for k in ks if not (isinstance(k, (int, np.integer)) and 1 <= k and 2 * k <= m)]
     if not ks or bad:
@@ -433,7 +467,7 @@ def _refutes_plan(
     )
 
 
-def _fdp_bound(
+def fdp_bound(
     plan: GaussianPlan,
     canaries: int,
     outcomes: Sequence[tuple[int, int]],

@@ -21,8 +21,8 @@ import numpy as np
 from dpkfc_med.privacy.audit_bounds import (
     DEFAULT_CONFIDENCE,
     GaussianPlan,
-    _counts,
-    _fdp_bound,
+    check_guess_counts,
+    fdp_bound,
     fdp_refutes,
     plan_tradeoff_inverse,
     tolerated_wrong,
@@ -219,7 +219,7 @@ def audit_power(
     Returns:
         The :class:`AuditPower`.
     """
-    ks = _counts(canaries, counts)
+    ks = check_guess_counts(canaries, counts)
     return _audit_power(plan, canaries, float(delta), float(confidence), ks, float(noise_scale))
 
 
@@ -235,7 +235,7 @@ def _audit_power(
     significance = (1.0 - confidence) / len(ks)
     scores, included = simulated_scores(plan, canaries, noise_scale=noise_scale, seed=_POWER_SEED)
     correct = guess_outcomes(scores, included, ks)
-    lower, _ = _fdp_bound(
+    lower, _ = fdp_bound(
         plan, canaries, [(2 * k, c) for k, c in zip(ks, correct)], significance, delta
     )
     at_plan = plan_tradeoff_inverse(plan.sample_rate, plan.noise_multiplier, plan.steps)

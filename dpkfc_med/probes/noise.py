@@ -23,13 +23,18 @@ then moved to the requested device and dtype, so a seed gives the same probes on
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from enum import Enum
 
 import torch
 from torch import Tensor
 
+from dpkfc_med.probes.checks import (
+    check_generator,
+    check_positive_int,
+    check_spacing,
+    check_spatial_shape,
+)
 from dpkfc_med.utils import check_choice
 
 __all__ = [
@@ -68,61 +73,6 @@ class IntensityMode(str, Enum):
     UNIT_RANGE = "unit_range"
     RANGE = "range"
     ZSCORE = "zscore"
-
-
-def _check_spatial_shape(spatial_shape: Sequence[int]) -> tuple[int, ...]:
-    """Validate a 1D/2D/3D spatial shape of positive ints and return it as a tuple."""
-    if isinstance(spatial_shape, int) or not isinstance(spatial_shape, Sequence | torch.Size):
-        raise ValueError(
-            f"spatial_shape={spatial_shape!r} must be a sequence of 1 to 3 positive ints, "
-            "e.g. (64, 64) or (32, 48, 40)"
-        )
-    try:
-        # operator.index accepts Python and NumPy integers but not floats or bools.
-        shape = tuple(operator.index(n) for n in spatial_shape if not isinstance(n, bool | float))
-    except TypeError:
-        shape = ()
-    if len(shape) != len(spatial_shape) or not 1 <= len(shape) <= 3 or min(shape) < 1:
-        raise ValueError(
-            f"spatial_shape={spatial_shape!r} must be a sequence of 1 to 3 positive ints, "
-            "e.g. (64, 64) or (32, 48, 40)"
-        )
-    if math.prod(shape) < 2:
-        # A single voxel has only the DC component, which standardisation cannot give unit std.
-        raise ValueError(f"spatial_shape={spatial_shape!r} must contain at least 2 voxels")
-    return shape
-
-
-def _check_spacing(spacing: float | Sequence[float] | None, ndim: int) -> tuple[float, ...]:
-    """Return a positive, finite spacing per axis (default 1.0 mm); a scalar is broadcast."""
-    if spacing is None:
-        return (1.0,) * ndim
-    values = (spacing,) * ndim if isinstance(spacing, int | float) else tuple(spacing)
-    if len(values) != ndim:
-        raise ValueError(
-            f"spacing={spacing!r} has {len(values)} entries but the data has {ndim} spatial "
-            f"dimensions; give one spacing (mm) per spatial axis"
-        )
-    out = tuple(float(s) for s in values)
-    if not all(math.isfinite(s) and s > 0 for s in out):
-        raise ValueError(f"spacing={spacing!r} must be positive and finite (mm per voxel)")
-    return out
-
-
-def _check_positive_int(value: int, name: str) -> int:
-    """Return ``value`` if it is a positive int, else raise ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return value
-
-
-def _check_generator(generator: torch.Generator | None) -> None:
-    """Reject non-CPU generators: probes are drawn on the CPU to be device-independent."""
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError(
-            f"generator is on {generator.device}; pass a CPU torch.Generator (probes are drawn "
-            "on the CPU so that a seed gives the same probes on every device)"
-        )
 
 
 def _radial_frequency(shape: Sequence[int], spacing: Sequence[float], *, half: bool) -> Tensor:
@@ -164,11 +114,11 @@ def _synthesise(
     dtype: torch.dtype,
 ) -> Tensor:
     """Shared body of :func:`pink_noise` (``alpha`` given) and :func:`white_noise` (None)."""
-    shape = _check_spatial_shape(spatial_shape)
-    spacing_t = _check_spacing(spacing, len(shape))
-    _check_positive_int(batch, "batch")
-    _check_positive_int(channels, "channels")
-    _check_generator(generator)
+    shape = check_spatial_shape(spatial_shape)
+    spacing_t = check_spacing(spacing, len(shape))
+    check_positive_int(batch, "batch")
+    check_positive_int(channels, "channels")
+    check_generator(generator)
     if alpha is not None and not math.isfinite(alpha):
         raise ValueError(f"alpha={alpha!r} must be a finite number (power spectrum ~ f^-alpha)")
 
@@ -307,7 +257,7 @@ def _radial_bins(
     """
     nd = _infer_spatial_dims(x, spacing, spatial_dims)
     shape = tuple(x.shape[x.ndim - nd :])
-    spacing_t = _check_spacing(spacing, nd)
+    spacing_t = check_spacing(spacing, nd)
     live = [(n, d) for n, d in zip(shape, spacing_t) if n > 1]
     if not live:
         raise ValueError(f"x of shape {tuple(x.shape)} has no spatial axis longer than 1")

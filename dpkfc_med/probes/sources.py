@@ -22,12 +22,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from dpkfc_med.probes.checks import (
+    check_num_classes,
+    check_positive_int,
+    check_seed,
+    check_spacing,
+    check_spatial_shape,
+)
 from dpkfc_med.probes.noise import (
     SPECTRUM_CONVENTION,
     IntensityMode,
-    _check_positive_int,
-    _check_spacing,
-    _check_spatial_shape,
     match_intensity,
     pink_noise,
     white_noise,
@@ -142,20 +146,6 @@ class NoiseKind(str, Enum):
     SHAPES = "shapes"
 
 
-def _check_seed(seed: int) -> int:
-    """Return ``seed`` if it is a non-negative int (what ``Generator.manual_seed`` accepts)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
-    return seed
-
-
-def _check_num_classes(num_classes: int) -> int:
-    """Return ``num_classes`` if it is an int >= 2."""
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes={num_classes!r} must be an int >= 2")
-    return num_classes
-
-
 def _check_finite(inputs: Tensor, *, source: str) -> None:
     """Raise ValueError if floating ``inputs`` contain NaN or inf."""
     if inputs.is_floating_point() and not bool(torch.isfinite(inputs).all()):
@@ -241,16 +231,16 @@ class ImageProbeSource:
         intensity: IntensityMode | str | tuple[float, float] | None = None,
         target: TargetRule | str = TargetRule.UNIFORM,
     ) -> None:
-        self.spatial_shape = _check_spatial_shape(spatial_shape)
+        self.spatial_shape = check_spatial_shape(spatial_shape)
         self.preset = get_preset(preset)
         # The data's channel count wins over the preset's usual one (e.g. 4-sequence MRI).
-        self.channels = _check_positive_int(
+        self.channels = check_positive_int(
             self.preset.channels if channels is None else channels, "channels"
         )
-        self.num_classes = _check_num_classes(num_classes)
+        self.num_classes = check_num_classes(num_classes)
         self.task = check_choice("task", task, Task)
         self.kind = check_choice("kind", kind, NoiseKind)
-        self.spacing = _check_spacing(spacing, len(self.spatial_shape))
+        self.spacing = check_spacing(spacing, len(self.spatial_shape))
         self.target = check_choice("target", target, TargetRule)
         if self.target is TargetRule.SHAPES and self.task is not Task.SEGMENTATION:
             raise ValueError(
@@ -332,8 +322,8 @@ class ImageProbeSource:
             ValueError: On invalid arguments, a missing or mismatching model, or non-finite
                 probes.
         """
-        _check_positive_int(num, "num")
-        _check_seed(seed)
+        check_positive_int(num, "num")
+        check_seed(seed)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype={dtype} must be a floating dtype for image probes")
         generator = torch.Generator().manual_seed(seed)

@@ -15,13 +15,16 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from dpkfc_med.probes.noise import _check_generator, _check_positive_int
+from dpkfc_med.probes.checks import (
+    check_generator,
+    check_num_classes,
+    check_positive_int,
+    check_seed,
+)
 from dpkfc_med.probes.sources import (
     ProbeBatch,
     TargetRule,
     Task,
-    _check_num_classes,
-    _check_seed,
     check_probe_batch,
     sample_model_targets,
 )
@@ -90,10 +93,10 @@ def zipf_tokens(
         >>> x[:, 0].tolist(), x[:, -1].tolist()
         ([0, 0], [1, 1])
     """
-    _check_positive_int(batch, "batch")
-    _check_positive_int(seq_len, "seq_len")
-    _check_positive_int(vocab_size, "vocab_size")
-    _check_generator(generator)
+    check_positive_int(batch, "batch")
+    check_positive_int(seq_len, "seq_len")
+    check_positive_int(vocab_size, "vocab_size")
+    check_generator(generator)
     if not (math.isfinite(exponent) and exponent >= 0):
         raise ValueError(f"exponent={exponent!r} must be finite and >= 0")
     specials = _check_special_ids(special_ids, vocab_size)
@@ -154,9 +157,9 @@ class TokenProbeSource:
         special_ids: Mapping[str, int] | None = None,
         target: TargetRule | str = TargetRule.UNIFORM,
     ) -> None:
-        self.seq_len = _check_positive_int(seq_len, "seq_len")
-        self.vocab_size = _check_positive_int(vocab_size, "vocab_size")
-        self.num_classes = _check_num_classes(num_classes)
+        self.seq_len = check_positive_int(seq_len, "seq_len")
+        self.vocab_size = check_positive_int(vocab_size, "vocab_size")
+        self.num_classes = check_num_classes(num_classes)
         if not (math.isfinite(exponent) and exponent >= 0):
             raise ValueError(f"exponent={exponent!r} must be finite and >= 0")
         self.exponent = float(exponent)
@@ -187,8 +190,8 @@ class TokenProbeSource:
         Returns:
             ``ProbeBatch(inputs [M, T] int64, targets [M] int64)``.
         """
-        _check_positive_int(num, "num")
-        _check_seed(seed)
+        check_positive_int(num, "num")
+        check_seed(seed)
         generator = torch.Generator().manual_seed(seed)
         inputs = zipf_tokens(
             num,
