@@ -32,6 +32,8 @@ class Task:
     """Interface between the data/loss/metrics of a task and the generic trainer.
 
     Attributes:
+        kind: A :class:`TaskKind` value, kept as its plain string (it enters pickled and
+            YAML records: ``model.pt``, reports), so it compares equal to the enum member.
         privacy_unit: What one item of ``train_set`` is, in words (``"image"``,
             ``"patient (unit ids from FILE)"``, ``"patient/volume"``); the neighbouring
             relation is adding or removing one of them.
@@ -46,7 +48,7 @@ class Task:
             "mean_images_per_patient", "images", "patients", "source", "quote", "statement"}``.
     """
 
-    kind: TaskKind
+    kind: str
     spatial_dims: int
     in_channels: int
     num_classes: int
@@ -62,6 +64,9 @@ class Task:
     extra: dict[str, Any] = field(default_factory=dict)
     unit_note: dict[str, Any] | None = None
     max_samples_public: bool = True
+
+    def __post_init__(self) -> None:
+        self.kind = TaskKind(self.kind).value  # ValueError for a kind TaskKind does not know
 
     def per_sample_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Training loss of each sample ``[M]``, a function of that sample alone.

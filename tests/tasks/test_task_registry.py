@@ -36,3 +36,18 @@ def test_a_kind_gets_one_builder_only():
         register_task("segmentation", TASK_BUILDERS[TaskKind.SEGMENTATION])
     with pytest.raises(ValueError):
         register_task("regression", TASK_BUILDERS[TaskKind.SEGMENTATION])
+
+
+def test_a_task_keeps_its_kind_as_a_plain_string_for_pickled_and_yaml_records():
+    import pickle
+
+    import yaml
+
+    from dpkfc_med.tasks.base import Task
+
+    task = Task(TaskKind.SEGMENTATION, 2, 1, 2, (4, 4), None, [], {})  # type: ignore[arg-type]
+    assert type(task.kind) is str and task.kind == TaskKind.SEGMENTATION
+    assert yaml.safe_dump({"kind": task.kind}) == "kind: segmentation\n"
+    assert b"TaskKind" not in pickle.dumps({"kind": task.kind})
+    with pytest.raises(ValueError, match="'regression' is not a valid TaskKind"):
+        Task("regression", 2, 1, 2, (4, 4), None, [], {})  # type: ignore[arg-type]
