@@ -234,7 +234,8 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="TEXT",
         help="where the weights come from, as the shareable report shows it (e.g. 'MONAI Model "
-        "Zoo spleen_ct_segmentation 0.5.4'); without it the report says 'source not stated'",
+        "Zoo spleen_ct_segmentation 0.5.4'); without it the report says its source is 'not "
+        "stated' and the console warns",
     )
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     return p
