@@ -214,7 +214,7 @@ def _run_opacus(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from opacus import PrivacyEngine
 
     from dpkfc_med.models import build_model
-    from dpkfc_med.training.plan import plan_privacy
+    from dpkfc_med.training.opening import plan_privacy
 
     cfg = config_from_dict(cfg_dict)
     task = build_task(cfg)
@@ -230,7 +230,7 @@ def _run_opacus(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     n = len(task.train_set)
     batch = min(cfg.training.batch_size, n)
     steps_per_epoch = math.ceil(n / batch)
-    delta = plan_privacy(cfg, n, steps_per_epoch)["delta"]
+    delta = plan_privacy(cfg, n, steps_per_epoch).delta
     opt = torch.optim.SGD(model.parameters(), lr=cfg.training.lr, momentum=cfg.training.momentum)
     engine = PrivacyEngine(accountant="prv")
     model, opt, loader = engine.make_private_with_epsilon(

@@ -16,7 +16,7 @@ Two ways of taking the same private DP-KFC steps, side by side in one process:
 
 Both drive one private optimizer, network and ledger file, built by
 ``PrivacyEngine.make_private`` with the arguments of ``training/run.py::_make_private`` and the
-config's privacy plan, stretched (:func:`~dpkfc_med.training.plan.plan_privacy` with more
+config's privacy plan, stretched (:func:`~dpkfc_med.training.opening.plan_privacy` with more
 steps, noise calibrated to the config's epsilon) when the study takes more steps than the
 config's epochs, so the ledger is never exhausted. Cases: the small CNN of
 ``configs/pneumoniamnist_cnn_2d_eps1.yaml`` and the 3D UNet of
@@ -86,7 +86,7 @@ class Case:
     popt: Any
     engine: Any
     loader: Any
-    plan: dict[str, Any]
+    plan: Any  # a dpkfc_med.training.opening.PrivacyPlan
     total_steps: int
     trainer: Any = None
     run_log: Any = None
@@ -106,7 +106,7 @@ def build_case(name: str, run_dir: Path, needed: int) -> Case:
     from dpkfc_med.privacy.engine import PrivacyEngine
     from dpkfc_med.tasks.build import build_task
     from dpkfc_med.training.config import Method, load_config
-    from dpkfc_med.training.plan import plan_privacy
+    from dpkfc_med.training.opening import plan_privacy
     from dpkfc_med.training.setup import build_run_model, make_optimizer, seed_everything
 
     path, overrides = CASES[name]
@@ -138,11 +138,11 @@ def build_case(name: str, run_dir: Path, needed: int) -> Case:
         module=model,
         optimizer=make_optimizer(cfg, model),
         data_loader=loader,
-        noise_multiplier=plan["noise_multiplier"],
+        noise_multiplier=plan.noise_multiplier,
         max_grad_norm=cfg.privacy.max_grad_norm,
-        delta=plan["delta"],
+        delta=plan.delta,
         method="dp-kfc",
-        max_steps=plan["planned_steps"],
+        max_steps=plan.planned_steps,
         backward_reduction="sum",
         ledger_path=run_dir / name / "ledger.json",
         clipping=cfg.privacy.clipping,
@@ -161,7 +161,7 @@ def build_case(name: str, run_dir: Path, needed: int) -> Case:
     assert cfg.method_enum is Method.DP_KFC
     engine.ledger.save()  # type: ignore[union-attr]
     return Case(name, cfg, task, device, precision, network, popt, engine, private_loader, plan,
-                plan["planned_steps"])  # fmt: skip
+                plan.planned_steps)  # fmt: skip
 
 
 def draw_batches(case: Case, n: int) -> list[Any]:
@@ -197,7 +197,7 @@ def attach_engine(case: Case, first: list[Any], stamps: list[tuple[float, int]])
     t = cfg.training
     handlers = [
         LrScheduleHandler(t.lr, case.total_steps, t.lr_schedule, t.warmup_steps),
-        PrivacyBudgetHandler(log_, case.plan["planned_steps"]),
+        PrivacyBudgetHandler(log_, case.plan.planned_steps),
         HistoryHandler(log_),
         ProgressBarHandler(log_, t.progress),
     ]
@@ -419,7 +419,8 @@ def run_case(name: str, args: argparse.Namespace, run_dir: Path) -> dict[str, An
         "model": case.cfg.model.name,
         "training_units": len(case.task.train_set),
         "plan": {
-            k: case.plan[k] for k in ("noise_multiplier", "sample_rate", "planned_steps", "delta")
+            k: getattr(case.plan, k)
+            for k in ("noise_multiplier", "sample_rate", "planned_steps", "delta")
         },  # fmt: skip
         "ledger_steps_taken": case.engine.ledger.steps,
         "build_s": build_s,

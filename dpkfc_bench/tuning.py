@@ -53,7 +53,7 @@ from dpkfc_bench.harness import (
 from dpkfc_med.privacy.selection import TrialCount, TuningPlan, plan_tuning
 from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import RunConfig, load_config
-from dpkfc_med.training.plan import plan_privacy
+from dpkfc_med.training.opening import plan_privacy
 from dpkfc_med.training.run import train
 from dpkfc_med.training.tune import TUNING_LEDGER, parse_grid, released_model, run_tuning
 
@@ -118,7 +118,7 @@ def trial_plan(cfg: RunConfig, eps: float, trials: str) -> TuningPlan:
     steps_per_epoch = max(1, math.ceil(n / min(cfg.training.batch_size, n)))
     base = plan_privacy(cfg, n, steps_per_epoch)
     count = TrialCount.parse(trials)
-    return plan_tuning(eps, base["delta"], base["sample_rate"], base["planned_steps"], count)
+    return plan_tuning(eps, base.delta, base.sample_rate, base.planned_steps, count)
 
 
 def grid_points(grid: dict[str, list[str]]) -> list[dict[str, str]]:

@@ -41,8 +41,8 @@ from dpkfc_med.privacy.audit import (
 )
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
-from dpkfc_med.training.opening import RUN_JSON
 from dpkfc_med.training.run import RunResult, train
+from dpkfc_med.training.run_folder import RUN_JSON
 from dpkfc_med.utils import write_json
 
 __all__ = [

@@ -32,6 +32,7 @@ __all__ = [
     "POSITIVE",
     "Attributed",
     "attribute_overrides",
+    "config_changes",
     "flatten",
     "value_problems",
 ]
@@ -287,6 +288,12 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[path] = v
     return out
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Fields whose values differ between two configs (``to_dict()``), as ``(path, old, new)``."""
+    a, b = flatten(before), flatten(after)
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 class Attributed(NamedTuple):

@@ -1,39 +1,56 @@
-"""How a run opens: fresh, from its checkpoint or from its ledger alone, and its working files.
+"""How a run opens -- fresh, from its checkpoint or from its ledger alone -- and its privacy plan.
 
-Nothing is written before the run's input is validated and its opening decided: a run that
-would overspend, a complete run, or a resume whose configuration changed what may not change
-is refused with the fix. A resume that changes ``training.epochs`` or
-``privacy.noise_multiplier`` re-plans the remaining steps within the target (:mod:`.plan`).
+Nothing is written before the run's input is validated and its :class:`RunPlan` decided: a run
+that would overspend, a complete run, or a resume whose configuration changed what may not
+change is refused with the fix.
+
+A run's privacy plan (delta, sample rate, planned steps, noise multiplier) is part of its
+identity: the report's guarantee is a statement about that plan. A resumed run therefore either
+continues the plan exactly, or -- when the user changes ``training.epochs`` or
+``privacy.noise_multiplier`` -- re-plans only what is *left*: the new noise multiplier is
+calibrated on the composed ledger (the steps already spent followed by the remaining steps),
+so the whole run still spends at most ``privacy.target_epsilon``. Any other change to a field
+that shapes the mechanism, the model or the data is refused, naming the fields.
+
+Every plan a run was given is appended to ``plan.json`` (never overwritten), and every config
+it was started or resumed with to ``config_history.yaml``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from dpkfc_med.privacy.accounting import PrivacyLedger
+from dpkfc_med.privacy.accounting import (
+    GaussianSteps,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    calibrate_remaining,
+    epsilon_for,
+)
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.report.render import plural
 from dpkfc_med.report.status import RunStatus
 from dpkfc_med.tasks.base import Task
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
-from dpkfc_med.training.plan import (
-    PlanError,
-    config_changes,
-    describe_plan,
-    plan_privacy,
-    resume_replans,
+from dpkfc_med.training.config_checks import config_changes
+from dpkfc_med.training.run_folder import (
+    CHECKPOINT,
+    CONFIG_HISTORY,
+    LEDGER,
+    PLAN_JSON,
+    RUN_JSON,
+    now,
+    spent_text,
 )
 from dpkfc_med.utils import atomic_write_bytes, write_json
 
@@ -41,55 +58,153 @@ if TYPE_CHECKING:
     from dpkfc_med.privacy.engine import PrivacyEngine
 
 __all__ = [
-    "CHECKPOINT",
-    "CONFIG_HISTORY",
-    "LEDGER",
-    "PLAN_JSON",
-    "RUN_JSON",
-    "Opening",
+    "OPERATIONAL_FIELDS",
+    "REPLANNABLE_FIELDS",
+    "Change",
+    "OpeningKind",
+    "PlanError",
+    "PrivacyPlan",
+    "RunPlan",
     "carry_ledger",
-    "check_output_dir",
-    "discard_run_dir",
-    "nothing_spent",
-    "now",
     "open_run",
-    "setup_logging",
-    "spent_text",
+    "plan_privacy",
+    "resume_replans",
     "start_run_files",
-    "stopped_message",
     "stored_plans",
 ]
 
-CHECKPOINT = "checkpoint.pt"
-LEDGER = "ledger.json"
-RUN_JSON = "run.json"
-PLAN_JSON = "plan.json"
-CONFIG_HISTORY = "config_history.yaml"
+OPERATIONAL_FIELDS = frozenset(
+    {
+        "training.progress",
+        "training.threads",
+        "training.device",
+        "training.eval_batch_size",
+        "output.dir",
+        "pretrain.cache_dir",  # where identical pretrained weights are kept, not what they are
+        "data.path",  # allowed only when the data's fingerprint is unchanged (checked by the loop)
+        # where the run's tracking streams go: observers of the run, not part of it
+        "tracking.backend",
+        "tracking.uri",
+        "tracking.custodian_uri",
+        "tracking.experiment",
+    }
+)
+"""Fields a resumed run may change freely: they touch neither the mechanism nor the model."""
+
+REPLANNABLE_FIELDS = frozenset({"training.epochs", "privacy.noise_multiplier"})
+"""Fields whose change re-plans the remaining steps within the original target."""
+
+Change = tuple[str, Any, Any]
+"""One changed config field of a resume: ``(dotted.field, old, new)``."""
 
 log = logging.getLogger("dpkfc_med")
 
 
-@dataclass
-class Opening:
-    """How a run starts: fresh, from its checkpoint, or from its ledger alone."""
+class PlanError(ValueError):
+    """The privacy plan is impossible or exceeds the target."""
 
-    kind: str  # "start" | "checkpoint" | "ledger"
-    plan: dict[str, Any] | None
+
+class OpeningKind(str, Enum):
+    """How a run opens (``kind`` of its ``plan.json`` entries and its config history).
+
+    Attributes:
+        START: From the initial model (a new run, or a resume whose first session stopped
+            before anything was spent or checkpointed).
+        CHECKPOINT: From the last checkpoint: model, optimizer, ledger and schedule.
+        LEDGER: From the initial model, with the steps an earlier session spent carried in
+            the ledger (it stopped before its first checkpoint).
+    """
+
+    START = "start"
+    CHECKPOINT = "checkpoint"
+    LEDGER = "ledger"
+
+    def __str__(self) -> str:
+        """The plain value, as stored (``"checkpoint"``), also inside f-strings."""
+        return self.value
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What a private run may spend: the mechanism's parameters over all its sessions.
+
+    Stored as the ``plan`` of each ``plan.json`` entry (:meth:`to_dict`, read back with
+    :meth:`from_dict`); the report's plan history shows the same entries.
+
+    Attributes:
+        delta: The run's delta (``privacy.delta``, or ``min(1e-5, 1/N)``).
+        sample_rate: ``q = 1 / ceil(N / B)``, the Poisson sampling rate of every step.
+        planned_steps: Noisy steps of the whole run, those of earlier sessions included.
+        noise_multiplier: ``sigma`` of the steps still to take.
+        spent_steps: Noisy steps earlier sessions already spent.
+        steps_remaining: Noisy steps this session may still take.
+    """
+
+    delta: float
+    sample_rate: float
+    planned_steps: int
+    noise_multiplier: float
+    spent_steps: int
+    steps_remaining: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as ``plan.json`` stores it (keys in the order of the fields)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrivacyPlan:
+        """The plan of one ``plan.json`` entry (:meth:`to_dict` of what was stored).
+
+        Raises:
+            PlanError: the entry lacks one of the fields, naming them.
+        """
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise PlanError(
+                f"{PLAN_JSON}: the stored plan lacks {missing}; resume needs the plan the run "
+                "was started with (start a new run with --out)"
+            )
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+    def continued(self, spent_steps: int) -> PrivacyPlan:
+        """The same plan, resumed after ``spent_steps`` noisy steps."""
+        remaining = max(0, int(self.planned_steps) - spent_steps)
+        return replace(self, spent_steps=spent_steps, steps_remaining=remaining)
+
+    def describe(self) -> str:
+        """One line for logs: steps, sigma, and how much of the plan is already spent."""
+        tail = f", {self.spent_steps} already spent" if self.spent_steps else ""
+        return (
+            f"{self.planned_steps} noisy steps at q = {self.sample_rate:.4g}, sigma = "
+            f"{self.noise_multiplier:.4g} for the remaining {self.steps_remaining}{tail}; "
+            f"delta = {self.delta:g}"
+        )
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How a run opens and what it may spend, decided before anything is written.
+
+    Attributes:
+        kind: Fresh, from the checkpoint, or from the ledger alone.
+        privacy: The privacy plan; ``None`` for a non-private method.
+        previous: The ledger an earlier session left (steps already spent), if any.
+        changes: Config fields this resume changes against the run's stored config.
+    """
+
+    kind: OpeningKind
+    privacy: PrivacyPlan | None
     previous: PrivacyLedger | None = None
-    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    changes: tuple[Change, ...] = ()
 
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether the run continues from its checkpoint (which holds its weights)."""
+        return self.kind is OpeningKind.CHECKPOINT
 
-def spent_text(run_dir: Path) -> str:
-    """What the run in ``run_dir`` has spent, in words (from its ledger)."""
-    ledger_path = run_dir / LEDGER
-    if not ledger_path.is_file():
-        return "no privacy budget spent"
-    ledger = PrivacyLedger.load(ledger_path)
-    if ledger.steps == 0:
-        return "no noisy step taken yet"
-    eps = ledger.epsilon()
-    spent = plural("noisy step", ledger.steps)
-    return f"{spent} already spent, epsilon {format_epsilon(eps)} (PRV)"
+    def all_spent(self, steps_taken: int) -> bool:
+        """Whether ``steps_taken`` noisy steps use up the plan (never, for a non-private run)."""
+        return self.privacy is not None and steps_taken >= self.privacy.planned_steps
 
 
 def open_run(
@@ -99,7 +214,7 @@ def open_run(
     resume: bool,
     n_units: int,
     steps_per_epoch: int,
-) -> Opening:
+) -> RunPlan:
     """Decide how the run starts and with which plan; refuse anything that would overspend."""
     private = cfg.method_enum.private
     ckpt_path, ledger_path, run_json = run_dir / CHECKPOINT, run_dir / LEDGER, run_dir / RUN_JSON
@@ -120,7 +235,7 @@ def open_run(
                 ]
             )
         plan = plan_privacy(cfg, n_units, steps_per_epoch) if private else None
-        return Opening("start", plan)
+        return RunPlan(OpeningKind.START, plan)
     if not exists and not ckpt_path.is_file():
         raise ConfigError(
             [
@@ -139,13 +254,13 @@ def open_run(
                 "(it spends a new budget on the same data)"
             ]
         )
-    changes: list[tuple[str, Any, Any]] = []
+    changes: tuple[Change, ...] = ()
     original_path = run_dir / "config.yaml"
     if original_path.is_file():
         original = config_from_dict(
             yaml.safe_load(original_path.read_text(encoding="utf-8")), str(original_path)
         )
-        changes = config_changes(original, cfg)
+        changes = tuple(config_changes(original.to_dict(), cfg.to_dict()))
         _check_same_data(changes, task, run_dir)
     replan = resume_replans(changes, str(run_dir))
     _announce_changes(changes, run_dir)
@@ -158,7 +273,7 @@ def open_run(
                     "--resume after removing the folder, or choose another --out"
                 ]
             )
-        return Opening("checkpoint", None, changes=changes)
+        return RunPlan(OpeningKind.CHECKPOINT, None, changes=changes)
     previous = PrivacyLedger.load(ledger_path) if ledger_path.is_file() else None
     spent = list(previous.events) if previous is not None else []
     done = sum(e.steps for e in spent)
@@ -167,30 +282,148 @@ def open_run(
         stored = stored_plans(run_dir)
         if not replan and stored:
             # the same plan, continued: record the steps already spent when it resumes
-            plan = {**stored[-1]["plan"], "spent_steps": done}
-            plan["steps_remaining"] = max(0, int(plan["planned_steps"]) - done)
+            plan = PrivacyPlan.from_dict(stored[-1]["plan"]).continued(done)
         else:
             plan = plan_privacy(
                 cfg, n_units, steps_per_epoch, spent=spent, steps=max(0, full - done)
             )
-            text = f"--resume {run_dir}: re-planned within the target: {describe_plan(plan)}"
+            text = f"--resume {run_dir}: re-planned within the target: {plan.describe()}"
             print(text, file=sys.stderr, flush=True)
             log.warning(text)
-        return Opening("checkpoint", plan, previous, changes)
+        return RunPlan(OpeningKind.CHECKPOINT, plan, previous, changes)
     # Stopped before the first checkpoint: restart from the initial model; the steps already
     # spent stay in the ledger and the new plan fits in what is left of the target.
     plan = plan_privacy(cfg, n_units, steps_per_epoch, spent=spent, steps=full)
     if previous is None:
-        return Opening("start", plan, None, changes)
-    if previous.delta != plan["delta"]:
+        return RunPlan(OpeningKind.START, plan, None, changes)
+    if previous.delta != plan.delta:
         raise PlanError(
-            f"the ledger's delta {previous.delta:g} differs from the plan's {plan['delta']:g}; "
+            f"the ledger's delta {previous.delta:g} differs from the plan's {plan.delta:g}; "
             "resume with the original data and privacy.delta"
         )
-    return Opening("ledger", plan, previous, changes)
+    return RunPlan(OpeningKind.LEDGER, plan, previous, changes)
 
 
-def _announce_changes(changes: list[tuple[str, Any, Any]], run_dir: Path) -> None:
+def plan_privacy(
+    cfg: RunConfig,
+    num_units: int,
+    steps_per_epoch: int,
+    *,
+    spent: Sequence[GaussianSteps] = (),
+    steps: int | None = None,
+) -> PrivacyPlan:
+    """The privacy plan: delta, sample rate, planned steps and the noise multiplier.
+
+    Args:
+        cfg: the run configuration.
+        num_units: ``N``, privacy units in the training set.
+        steps_per_epoch: ``ceil(N / B)``; the sample rate is its inverse.
+        spent: steps a resumed run has already spent (its ledger); the plan covers them and
+            ``steps`` more, and the composed epsilon stays within the target.
+        steps: noisy steps still to take (default: ``training.epochs`` epochs).
+
+    Returns:
+        The plan; its ``planned_steps`` counts the spent steps too.
+
+    Raises:
+        PlanError: the target cannot be met (naming the field and the fix), or a given noise
+            multiplier would exceed the target.
+    """
+    p = cfg.privacy
+    q = 1.0 / steps_per_epoch
+    todo = int(cfg.training.epochs * steps_per_epoch) if steps is None else int(steps)
+    spent = [e for e in spent if e.steps > 0]
+    done = sum(e.steps for e in spent)
+    delta = p.delta if p.delta is not None else min(1e-5, 1.0 / num_units)
+    if delta > 1.0 / num_units:
+        raise PlanError(
+            f"privacy.delta={delta:g} exceeds 1/N = {1.0 / num_units:.3g} for N={num_units} "
+            "training units; such a delta permits leaking a whole record: use delta <= 1/N"
+        )
+    already = f"the {done} steps already spent and " if done else ""
+    if todo == 0:
+        sigma = spent[-1].noise_multiplier if spent else (p.noise_multiplier or 1.0)
+    elif p.noise_multiplier is not None:
+        events = [*spent, GaussianSteps(q, p.noise_multiplier, todo)]
+        eps = epsilon_for(events, delta, p.accountant)
+        if eps > p.target_epsilon:
+            raise PlanError(
+                f"the plan ({already}{todo} steps at sample rate {q:.4g}, noise_multiplier "
+                f"{p.noise_multiplier}) spends epsilon {format_epsilon(eps)} > "
+                "privacy.target_epsilon="
+                f"{p.target_epsilon}; raise the noise multiplier, train fewer epochs, or set "
+                "privacy.noise_multiplier: null to calibrate it"
+            )
+        sigma = p.noise_multiplier
+    else:
+        try:
+            if spent:
+                sigma = calibrate_remaining(
+                    spent=spent,
+                    target_epsilon=p.target_epsilon,
+                    delta=delta,
+                    sample_rate=q,
+                    steps=todo,
+                    accountant=p.accountant,
+                )
+            else:
+                sigma = calibrate_noise_multiplier(
+                    target_epsilon=p.target_epsilon,
+                    delta=delta,
+                    sample_rate=q,
+                    steps=todo,
+                    accountant=p.accountant,
+                )
+        except Exception as err:  # Opacus raises a bare ValueError when no sigma fits
+            raise PlanError(
+                f"no noise multiplier reaches privacy.target_epsilon={p.target_epsilon} at "
+                f"delta={delta:g} with {already}{todo} steps at sample rate {q:.4g} ({err}); "
+                "raise the target epsilon, lower training.epochs or training.batch_size"
+            ) from None
+        if sigma > 1e3:
+            raise PlanError(
+                f"privacy.target_epsilon={p.target_epsilon} needs noise multiplier {sigma:.3g} "
+                f"for {already}{todo} steps: the updates would be pure noise; raise the target "
+                "epsilon, train fewer epochs or use more data"
+            )
+    return PrivacyPlan(
+        delta=delta,
+        sample_rate=q,
+        planned_steps=done + todo,
+        noise_multiplier=float(sigma),
+        spent_steps=done,
+        steps_remaining=todo,
+    )
+
+
+def resume_replans(changes: Sequence[Change], run_dir: str) -> bool:
+    """Whether the changes of a resumed run re-plan it; refuse those that may not change.
+
+    Raises:
+        ConfigError: naming every changed field that shapes the mechanism, the model or the
+            data, with its original and new value and the fix.
+    """
+    refused = [
+        f"{path}: {old!r} -> {new!r}"
+        for path, old, new in changes
+        if path not in OPERATIONAL_FIELDS and path not in REPLANNABLE_FIELDS
+    ]
+    if refused:
+        raise ConfigError(
+            [
+                f"--resume {run_dir}: these fields differ from the run's original config and "
+                "would change its mechanism, model or data (the plan is part of the run's "
+                "identity): " + "; ".join(refused),
+                "resume with the original values (config.yaml in the run directory), or start "
+                "a new run with --out (a new run on the same data spends a new budget); only "
+                f"{sorted(REPLANNABLE_FIELDS)} may change on resume, and they re-plan the "
+                "remaining steps within the original target epsilon",
+            ]
+        )
+    return any(path in REPLANNABLE_FIELDS for path, _, _ in changes)
+
+
+def _announce_changes(changes: Sequence[Change], run_dir: Path) -> None:
     """Say on the console (and in the log) every field a resume changes against the run's."""
     if not changes:
         return
@@ -204,7 +437,7 @@ def _announce_changes(changes: list[tuple[str, Any, Any]], run_dir: Path) -> Non
     log.warning(text)
 
 
-def _check_same_data(changes: list[tuple[str, Any, Any]], task: Task, run_dir: Path) -> None:
+def _check_same_data(changes: Sequence[Change], task: Task, run_dir: Path) -> None:
     """A moved data folder/file is fine; different data is not."""
     if not any(path == "data.path" for path, _, _ in changes):
         return
@@ -222,95 +455,17 @@ def _check_same_data(changes: list[tuple[str, Any, Any]], task: Task, run_dir: P
 
 
 def stored_plans(run_dir: Path) -> list[dict[str, Any]]:
-    """Every start's and resume's plan entry of ``plan.json``."""
+    """Every start's and resume's entry of ``plan.json`` (the report's plan history)."""
     path = run_dir / PLAN_JSON
     if not path.is_file():
         return []
     return list(json.loads(path.read_text(encoding="utf-8")).get("plans", []))
 
 
-def check_output_dir(run_dir: Path) -> None:
-    """Refuse an output directory the run cannot write, before anything is written.
-
-    Creates ``run_dir`` (and missing parents) and writes and removes one probe file; on failure
-    removes the folders it created and raises, so a refused run leaves nothing behind.
-
-    Raises:
-        ConfigError: naming ``output.dir`` / ``--out``, the directory, the operating system's
-            reason and the fix.
-    """
-    created: list[Path] = []
-    node = run_dir
-    while not node.exists() and node != node.parent:
-        created.append(node)
-        node = node.parent
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=run_dir)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        for folder in created:  # deepest first; only the empty folders made here
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        reason = err.strerror or type(err).__name__
-        where = f" ({err.filename})" if err.filename and str(err.filename) != str(run_dir) else ""
-        raise ConfigError(
-            [
-                f"output.dir: cannot write the run directory {run_dir}: {reason}{where}; "
-                "choose a writable folder with --out (or output.dir in the config), or make "
-                "this one writable (e.g. chmod u+w on it or its parent); nothing was written"
-            ]
-        ) from None
-
-
-def nothing_spent(run_dir: Path, iterations: int) -> bool:
-    """Whether a run folder holds neither spent budget nor anything trained.
-
-    True when its ledger records no noisy step (a run without a ledger, non-private: no
-    iteration began) and it holds no checkpoint and no model: removing such a folder loses
-    nothing and under-reports nothing.
-    """
-    if (run_dir / CHECKPOINT).exists() or (run_dir / "model.pt").exists():
-        return False
-    ledger = run_dir / LEDGER
-    if ledger.is_file():
-        try:
-            return int(json.loads(ledger.read_text(encoding="utf-8")).get("steps", 1)) == 0
-        except (OSError, ValueError, TypeError):
-            return False  # unreadable: keep it, it may record spent budget
-    return iterations == 0
-
-
-def discard_run_dir(run_dir: Path) -> None:
-    """Remove a run folder that holds nothing spent (:func:`nothing_spent`), log file included."""
-    for h in list(log.handlers):  # the run's train.log is open in it
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir.resolve():
-            log.removeHandler(h)
-            h.close()
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def stopped_message(out: Path, cfg: RunConfig, trainer: Any, how: str) -> str:
-    """What a stopped run spent and how to continue it (the console's last words)."""
-    engine = trainer.privacy_engine if trainer is not None else None
-    if engine is None or engine.ledger is None:
-        return (
-            f"{how}: the non-private run in {out} is marked incomplete; continue it with "
-            f"`dpkfc-med train --resume --out {out}`"
-        )
-    return (
-        f"{how}: {plural('noisy step', engine.ledger.steps)} spent, epsilon "
-        f"{format_epsilon(engine.ledger.epsilon())} of the target "
-        f"{cfg.privacy.target_epsilon:g} (PRV; {out / LEDGER}). The run is marked incomplete "
-        f"and keeps its budget: continue it as it was with `dpkfc-med train --resume --out "
-        f"{out}` (its own stored configuration). Starting it again elsewhere spends a new budget "
-        "on the same data."
-    )
-
-
-def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening) -> None:
+def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, plan: RunPlan) -> None:
     """Mark the run incomplete and append (never overwrite) its config and plan history."""
+    plans = stored_plans(run_dir)
+    session = len(plans)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_json = run_dir / RUN_JSON
     started = (
@@ -325,11 +480,9 @@ def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening)
     # the configuration the run now follows (every start's and resume's is kept in the config
     # history); `train --resume --out DIR` continues from it
     atomic_write_bytes(run_dir / "config.yaml", text.encode())
-    plans = stored_plans(run_dir)
-    session = len(plans)
-    changed = [f"{p}: {a!r} -> {b!r}" for p, a, b in opening.changes]
+    changed = [f"{p}: {a!r} -> {b!r}" for p, a, b in plan.changes]
     header = (
-        f"# session {session} ({opening.kind}) at {now()}"
+        f"# session {session} ({plan.kind.value}) at {now()}"
         + (f"; changed: {'; '.join(changed)}" if changed else "")
         + "\n"
     )
@@ -339,10 +492,10 @@ def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, opening: Opening)
         os.fsync(fh.fileno())
     entry = {
         "session": session,
-        "kind": opening.kind,
+        "kind": plan.kind.value,
         "time": now(),
-        "changed_fields": [p for p, _, _ in opening.changes],
-        "plan": opening.plan,
+        "changed_fields": [p for p, _, _ in plan.changes],
+        "plan": plan.privacy.to_dict() if plan.privacy is not None else None,
         "data_sha256": task.data_record.get("sha256"),
     }
     write_json(run_dir / PLAN_JSON, {"plans": [*plans, entry]})
@@ -364,20 +517,3 @@ def carry_ledger(
         "the initial model",
         previous.steps,
     )
-
-
-def now() -> str:
-    """The UTC time, to the second."""
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def setup_logging(run_dir: Path) -> None:
-    """Send the ``dpkfc_med`` log to ``train.log`` in the run directory, not the console."""
-    log.setLevel(logging.INFO)
-    log.propagate = False  # the progress bar owns the console; the log goes to the run dir
-    for h in list(log.handlers):
-        if isinstance(h, logging.FileHandler):
-            log.removeHandler(h)
-    fh = logging.FileHandler(run_dir / "train.log")
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(fh)

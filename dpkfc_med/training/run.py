@@ -3,8 +3,7 @@
 Order of operations (so that bad input never leaves anything that looks like a run):
 
 1. load and validate data, build and fix the model, decide how the run opens (fresh, from its
-   checkpoint, or from its ledger alone) and check the privacy plan (:mod:`.opening`,
-   :mod:`.plan`);
+   checkpoint, or from its ledger alone) and check the privacy plan (:mod:`.opening`);
 2. only then create the run directory, mark it ``incomplete``, append the config and the plan
    to ``config_history.yaml`` / ``plan.json`` and start (or continue) the ledger;
 3. train with :class:`~dpkfc_med.engines.PrivateTrainer` and its handlers: the ledger is
@@ -65,22 +64,24 @@ from dpkfc_med.tasks.base import Task
 from dpkfc_med.tasks.build import build_task
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.opening import (
+    PlanError,
+    RunPlan,
+    carry_ledger,
+    open_run,
+    start_run_files,
+    stored_plans,
+)
+from dpkfc_med.training.run_folder import (
     CHECKPOINT,
     LEDGER,
     RUN_JSON,
-    Opening,
-    carry_ledger,
     check_output_dir,
     discard_run_dir,
     nothing_spent,
     now,
-    open_run,
     setup_logging,
-    start_run_files,
     stopped_message,
-    stored_plans,
 )
-from dpkfc_med.training.plan import PlanError, describe_plan
 from dpkfc_med.training.setup import (
     build_run_model,
     make_optimizer,
@@ -121,7 +122,7 @@ class _Run:
     precision: Precision
     model: nn.Module
     fixes: list[dict[str, Any]]
-    plan: dict[str, Any] | None
+    plan: RunPlan
     run_log: RunLog
     average: WeightAverage | None = None
     backends: dict[str, bool] = field(default_factory=dict)
@@ -135,7 +136,7 @@ class _Run:
         """Every epoch done, or every planned step taken."""
         if trainer.state.epoch >= self.cfg.training.epochs:
             return True
-        return self.plan is not None and trainer.steps_taken >= self.plan["planned_steps"]
+        return self.plan.all_spent(trainer.steps_taken)
 
 
 def train(
@@ -159,7 +160,7 @@ def train(
             stopped before the first one -- from the initial model with the spent steps carried
             in the ledger. The plan continues exactly unless ``training.epochs`` or
             ``privacy.noise_multiplier`` changed; then the remaining steps are re-planned so
-            that the whole ledger stays within the target (:mod:`.plan`). Other changes are
+            that the whole ledger stays within the target (:mod:`.opening`). Other changes are
             refused.
         stop_after_epochs: stop (as if interrupted) after this many epochs of this call;
             for training in slices (resume with ``resume=True``).
@@ -223,17 +224,17 @@ def train(
     try:
         start_run_files(cfg, task, run_dir, opening)
         setup_logging(run_dir)
-        if opening.plan is not None:
-            log.info("privacy plan (%s): %s", opening.kind, describe_plan(opening.plan))
+        if opening.privacy is not None:
+            log.info("privacy plan (%s): %s", opening.kind, opening.privacy.describe())
         run = _Run(
-            cfg, task, run_dir, device, precision, model, fixes, opening.plan,
+            cfg, task, run_dir, device, precision, model, fixes, opening,
             RunLog(selection_metric=task.selection_metric),
         )  # fmt: skip
-        if cfg.pretrain.steps and opening.kind != "checkpoint":  # a checkpoint holds its weights
+        if cfg.pretrain.steps and not opening.from_checkpoint:  # a checkpoint holds its weights
             run.run_log.pretrain = pretrain(cfg, task, model, device)
         if cfg.training.ema_decay is not None:  # copied before any wrapper hooks the model
             run.average = WeightAverage(model, cfg.training.ema_decay)
-        run.trainer = _build_trainer(run, opening, batch, steps_per_epoch, instrument, decollate)
+        run.trainer = _build_trainer(run, batch, steps_per_epoch, instrument, decollate)
         for handler in handlers:
             handler.attach(run.trainer)
         # ---------------------------------------------------------------- 3. train
@@ -284,14 +285,13 @@ def train(
 
 def _build_trainer(
     run: _Run,
-    opening: Opening,
     batch: int,
     steps_per_epoch: int,
     instrument: Callable[[PrivacyEngine, Any], None] | None,
     decollate: bool = False,
 ) -> PrivateTrainer:
     """The private (or plain) mechanism wired into a trainer with the run's handlers."""
-    cfg, task, model, device, plan = run.cfg, run.task, run.model, run.device, run.plan
+    cfg, task, model, device, plan = run.cfg, run.task, run.model, run.device, run.plan.privacy
     method = cfg.method_enum
     optimizer = make_optimizer(cfg, model)
     loader: Any = DataLoader(
@@ -307,16 +307,14 @@ def _build_trainer(
     ledger_path = run.run_dir / LEDGER
     if method.private:
         assert plan is not None
-        engine, network, popt, loader = _make_private(run, opening, optimizer, loader)
-    total_steps = (
-        plan["planned_steps"] if plan is not None else cfg.training.epochs * steps_per_epoch
-    )
+        engine, network, popt, loader = _make_private(run, optimizer, loader)
+    total_steps = plan.planned_steps if plan is not None else cfg.training.epochs * steps_per_epoch
     log_ = run.run_log
     handlers: list[Any] = [LrScheduleHandler(
         cfg.training.lr, total_steps, cfg.training.lr_schedule, cfg.training.warmup_steps
     )]  # fmt: skip
     if plan is not None:
-        handlers.append(PrivacyBudgetHandler(log_, plan["planned_steps"]))
+        handlers.append(PrivacyBudgetHandler(log_, plan.planned_steps))
     handlers.append(HistoryHandler(log_))
     if run.average is not None:
         handlers.append(WeightAverageHandler(run.average))
@@ -353,11 +351,11 @@ def _build_trainer(
         decollate=decollate,
         max_physical_batch=cfg.training.max_physical_batch,
     )
-    if opening.kind == "checkpoint":
-        checkpointer.restore(trainer, opening.previous, ledger_path)
-    elif engine is not None and opening.previous is not None:
+    if run.plan.from_checkpoint:
+        checkpointer.restore(trainer, run.plan.previous, ledger_path)
+    elif engine is not None and run.plan.previous is not None:
         # ledger only: the initial model, the spent steps carried
-        carry_ledger(engine, popt, opening.previous, ledger_path)
+        carry_ledger(engine, popt, run.plan.previous, ledger_path)
     elif engine is not None:
         engine.ledger.save()  # type: ignore[union-attr]
     if engine is not None and instrument is not None:
@@ -382,10 +380,10 @@ def _tracking(cfg: RunConfig, run_dir: Path) -> TrackingPlan | None:
 
 
 def _make_private(
-    run: _Run, opening: Opening, optimizer: Any, loader: Any
+    run: _Run, optimizer: Any, loader: Any
 ) -> tuple[PrivacyEngine, nn.Module, Any, Any]:
     """The privacy engine's mechanism: Poisson loader, per-sample wrapper, private optimizer."""
-    cfg, task, plan = run.cfg, run.task, run.plan
+    cfg, task, plan = run.cfg, run.task, run.plan.privacy
     assert plan is not None
     method = cfg.method_enum
     engine = PrivacyEngine(
@@ -416,13 +414,13 @@ def _make_private(
         module=run.model,
         optimizer=optimizer,
         data_loader=loader,
-        noise_multiplier=plan["noise_multiplier"],
+        noise_multiplier=plan.noise_multiplier,
         max_grad_norm=cfg.privacy.max_grad_norm,
-        delta=plan["delta"],
+        delta=plan.delta,
         method=method.mechanism or method,  # private methods always have one
-        max_steps=plan["planned_steps"],
+        max_steps=plan.planned_steps,
         backward_reduction="sum",  # per-sample errors exact whatever the batch size
-        ledger_path=None if opening.previous is not None else run.run_dir / LEDGER,
+        ledger_path=None if run.plan.previous is not None else run.run_dir / LEDGER,
         clipping=cfg.privacy.clipping,
         mechanism_extra={
             "precision": run.precision,
@@ -512,12 +510,12 @@ def _record(run: _Run, status: RunStatus, metrics: dict[str, Any]) -> RunRecord:
     method = cfg.method_enum
     engine = trainer.privacy_engine
     mechanism = None
-    if engine is not None and engine.ledger is not None and run.plan is not None:
+    if engine is not None and engine.ledger is not None and run.plan.privacy is not None:
         mechanism = Mechanism(
             ledger=engine.ledger,
             accountant=engine.accountant.value,
             target_epsilon=cfg.privacy.target_epsilon,
-            planned_steps=int(run.plan["planned_steps"]),
+            planned_steps=int(run.plan.privacy.planned_steps),
             sample_rate=engine.sample_rate,
             noise_multiplier=engine.noise_multiplier,
             max_grad_norm=engine.max_grad_norm,

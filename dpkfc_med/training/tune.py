@@ -206,7 +206,7 @@ def released_model(cfg: RunConfig, task: Any, model_pt: Path) -> torch.nn.Module
 
 def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan, int, Any]:
     from dpkfc_med.tasks.build import build_task
-    from dpkfc_med.training.plan import plan_privacy
+    from dpkfc_med.training.opening import plan_privacy
 
     task = build_task(cfg, public_probes=False)
     n_units = len(task.train_set)  # type: ignore[arg-type]
@@ -214,7 +214,7 @@ def _plan(cfg: RunConfig, target: float, count: TrialCount) -> tuple[TuningPlan,
     batch = min(cfg.training.batch_size, n_units)
     steps_per_epoch = max(1, math.ceil(n_units / batch))
     base = plan_privacy(cfg, n_units, steps_per_epoch)  # q, T and delta of every trial
-    plan = plan_tuning(target, base["delta"], base["sample_rate"], base["planned_steps"], count)
+    plan = plan_tuning(target, base.delta, base.sample_rate, base.planned_steps, count)
     return plan, n_val, task
 
 

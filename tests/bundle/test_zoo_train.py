@@ -45,7 +45,7 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
 ):
     """CLI run: complete, within target, the plan of the equivalent YAML config, export works."""
     from dpkfc_med.training.config import config_from_dict
-    from dpkfc_med.training.plan import plan_privacy
+    from dpkfc_med.training.opening import plan_privacy
 
     out = tmp_path / "run"
     args = ["bundle", "train", str(bundle), "--epsilon", "8", "--out", str(out)]
@@ -63,10 +63,10 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
          "data": {"task": "segmentation", "path": data_dir}}
     )  # fmt: skip
     plan = plan_privacy(yaml_cfg, 6, 3)
-    assert p["sample_rate"] == pytest.approx(plan["sample_rate"])
-    assert p["noise_multiplier"] == pytest.approx(plan["noise_multiplier"])
-    assert p["planned_steps"] == plan["planned_steps"] == p["steps"] == 3
-    assert p["delta"] == plan["delta"]
+    assert p["sample_rate"] == pytest.approx(plan.sample_rate)
+    assert p["noise_multiplier"] == pytest.approx(plan.noise_multiplier)
+    assert p["planned_steps"] == plan.planned_steps == p["steps"] == 3
+    assert p["delta"] == plan.delta
     # BatchNorm fixed and listed; the loader, the validation handler and the checkpoint
     # keyed on a metric replaced, and said so.
     assert any("BatchNorm" in f["before"] for f in report["model"]["fixes"])

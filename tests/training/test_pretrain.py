@@ -206,11 +206,12 @@ def test_pretraining_is_cached_beside_the_run_by_default(tmp_path):
 
 def test_resume_may_move_the_pretraining_cache_but_not_change_pretraining():
     """The cache folder is where identical weights are kept: a resume may change it."""
-    from dpkfc_med.training.plan import config_changes, resume_replans
+    from dpkfc_med.training.config_checks import config_changes
+    from dpkfc_med.training.opening import resume_replans
 
     original = load_config(CONFIG, TINY)
     moved = load_config(CONFIG, TINY + ["pretrain.cache_dir=/tmp/elsewhere"])
-    assert resume_replans(config_changes(original, moved), "run") is False
+    assert resume_replans(config_changes(original.to_dict(), moved.to_dict()), "run") is False
     changed = load_config(CONFIG, TINY + ["pretrain.steps=4"])
     with pytest.raises(ConfigError, match=r"pretrain.steps: 3 -> 4"):
-        resume_replans(config_changes(original, changed), "run")
+        resume_replans(config_changes(original.to_dict(), changed.to_dict()), "run")
