@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dpkfc_med.data import load_medmnist, load_segmentation_folder, resolve_data_path
+from dpkfc_med.data import (
+    load_medmnist,
+    load_segmentation_folder,
+    resolve_data_path,
+    segmentation_transforms,
+)
 
 __all__ = ["RealSample", "medmnist_sample", "segmentation_sample"]
 
@@ -97,8 +102,6 @@ def segmentation_sample(
         :class:`RealSample` with images ``[N, 1, X, Y, Z]`` and label maps ``[N, X, Y, Z]``; the
         spacing is the first case's header spacing.
     """
-    from dpkfc_med.data import segmentation_transforms
-
     cases = load_segmentation_folder(resolve_data_path(str(path), kind="dir"))
     ids = cases.case_ids
     gen = torch.Generator().manual_seed(seed)

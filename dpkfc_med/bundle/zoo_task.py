@@ -527,8 +527,6 @@ def item_image_digest(item: Any) -> str:
     A case copied or linked elsewhere has the digest of its source, so new cases are checked
     against a training list by content, not by path.
     """
-    import hashlib
-
     from dpkfc_med.data.paths import sha256_file
 
     image = item.get("image") if isinstance(item, dict) else item

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from dpkfc_med.data.errors import DataValidationError
 
@@ -99,8 +99,6 @@ def unit_random_state(seed: int | None, unit_id: str, draw: int) -> np.random.Ra
     """
     if seed is None:
         return np.random.RandomState(np.random.MT19937(np.random.SeedSequence()))
-    from torch.utils.data import get_worker_info
-
     worker = get_worker_info()
     key = f"{int(seed)}\x00{unit_id}\x00{int(draw)}\x00{'' if worker is None else worker.seed}"
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=32, person=b"dpkfc-unit-rng").digest()

@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from dpkfc_med.privacy.distributed import ShardedPoissonSampler, World
 from dpkfc_med.privacy.rng import SecurePoissonSampler
@@ -47,8 +53,6 @@ def check_loader_sampling(data_loader: DataLoader) -> None:
     intend, keeping it would break the accountant (Opacus issue #813). Plain sequential or
     shuffled loaders are accepted.
     """
-    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
-
     sampler = getattr(data_loader, "sampler", None)
     batch_sampler = getattr(data_loader, "batch_sampler", None)
     plain_sampler = type(sampler) in (SequentialSampler, RandomSampler)

@@ -39,6 +39,7 @@ from dpkfc_med.privacy.audit import (
     Verdict,
     default_canaries,
 )
+from dpkfc_med.report import format_delta, load_report, write_report
 from dpkfc_med.report.numbers import format_epsilon
 from dpkfc_med.training.config import ConfigError, Method, RunConfig
 from dpkfc_med.training.run import RunResult, train
@@ -338,8 +339,6 @@ def power_sentence(power: dict[str, Any], accounted: float) -> str:
 
 def _add_to_report(run_dir: Path, record: dict[str, Any]) -> None:
     """Put the audit numbers into ``privacy_report.json`` and re-render its views."""
-    from dpkfc_med.report import load_report, write_report
-
     keys = (
         "epsilon_lower_bound",
         "max_bound",
@@ -367,8 +366,6 @@ def _add_to_report(run_dir: Path, record: dict[str, Any]) -> None:
 
 def format_audit(record: dict[str, Any]) -> str:
     """Console lines: the lower bound (rounded down), the audit's power, the accounted epsilon."""
-    from dpkfc_med.report import format_delta
-
     low = Decimal(repr(float(record["epsilon_lower_bound"])))
     low_text = f"{low.quantize(Decimal('0.001'), rounding=ROUND_FLOOR):f}"
     power = record.get("power")

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import dpkfc_med
+from dpkfc_med.probes import noise, sources
 from dpkfc_med.probes.sources import shape_volumes
 from dpkfc_med.utils import atomic_write_bytes
 
@@ -132,8 +134,6 @@ def pretrain_cache_key(
         alpha: texture exponent.
         device: where pretraining runs (CPU and GPU kernels round differently).
     """
-    import dpkfc_med
-
     h = hashlib.sha256()
     meta = {
         "format": 1,
@@ -162,8 +162,6 @@ def _code_digest() -> str:
     """SHA-256 of the source of the modules that determine the pretrained weights."""
     import inspect
     import sys
-
-    from dpkfc_med.probes import noise, sources
 
     h = hashlib.sha256()
     for module in (sys.modules[__name__], sources, noise):

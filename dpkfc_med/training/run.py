@@ -57,8 +57,15 @@ from dpkfc_med.engines.schedule import WeightAverage
 from dpkfc_med.models.finetune import finetune_report, released_state_dict
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
+from dpkfc_med.report import (
+    collect_environment,
+    not_covered,
+    shareable_config,
+    split_report,
+    write_report,
+)
 from dpkfc_med.report.custodian import PRIVATE_DIR
-from dpkfc_med.report.record import Mechanism, RunRecord
+from dpkfc_med.report.record import Mechanism, RunRecord, build_report
 from dpkfc_med.report.status import RunStatus
 from dpkfc_med.tasks.base import Task
 from dpkfc_med.tasks.build import build_task
@@ -462,8 +469,6 @@ def _release(run: _Run) -> dict[str, Any]:
     metrics: dict[str, Any] = {"selected_epoch": best.epoch}
     metrics["val"] = task.evaluate(model, "val", run.device, bs, full=True)
     metrics["test"] = task.evaluate(model, "test", run.device, bs, full=True)
-    from dpkfc_med.report import shareable_config
-
     atomic_torch_save(
         {
             # shareable: no path, and not the epoch chosen on private validation data
@@ -484,9 +489,6 @@ def _release(run: _Run) -> dict[str, Any]:
 
 def _finish(run: _Run, status: RunStatus | str, released: dict[str, Any] | None) -> RunResult:
     """Freeze the run record and write the report (with the release's metrics, if released)."""
-    from dpkfc_med.report import not_covered, split_report, write_report
-    from dpkfc_med.report.record import build_report
-
     status = RunStatus(status)
     if released is None or status is not RunStatus.COMPLETE:  # a stop lists no release
         released = {"val": None, "test": None, "selected_epoch": run.run_log.best.epoch}
@@ -504,8 +506,6 @@ def _finish(run: _Run, status: RunStatus | str, released: dict[str, Any] | None)
 
 def _record(run: _Run, status: RunStatus, metrics: dict[str, Any]) -> RunRecord:
     """The frozen record of the run the report is built from."""
-    from dpkfc_med.report import collect_environment
-
     cfg, task, trainer, log_ = run.cfg, run.task, run.trainer, run.run_log
     method = cfg.method_enum
     engine = trainer.privacy_engine

@@ -26,7 +26,7 @@ from dpkfc_med.data import (
     segmentation_transforms,
     sha256_file,
 )
-from dpkfc_med.data.cases import image_digest
+from dpkfc_med.data.cases import image_digest, read_array
 from dpkfc_med.tasks.kinds import TaskKind
 from dpkfc_med.tasks.segmentation.batches import CachedPrefix, CachedVolumes, VolumeCollate
 from dpkfc_med.tasks.segmentation.layout import (
@@ -93,8 +93,6 @@ def _label_names(cases: SegmentationCases, num_classes: int) -> list[str]:
 
 def _undeclared_num_classes(cases: SegmentationCases) -> int:
     """Classes of a folder without declared labels: the largest label value + 1."""
-    from dpkfc_med.data.cases import read_array
-
     top = 0
     for case in cases:
         top = max(top, int(read_array(case.label_path).max()))
