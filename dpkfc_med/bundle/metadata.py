@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import dpkfc_med
 from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID
 
 __all__ = [
@@ -378,8 +379,6 @@ def bundle_metadata(
     Returns:
         The metadata; :func:`metadata_problems` of it is empty.
     """
-    from dpkfc_med import __version__
-
     seg = task["kind"] == "segmentation"
     names = list(task.get("label_names") or [])
     # nothing shareable may come from a path (folder names can name projects, wards, people):
@@ -427,7 +426,7 @@ def bundle_metadata(
     if seg:
         packages["nibabel"] = _package_version("nibabel")
     if needs_dpkfc:
-        packages["dpkfc-med"] = __version__
+        packages["dpkfc-med"] = dpkfc_med.__version__
         packages["opacus"] = _package_version("opacus")
     return {
         "schema": SCHEMA_URL,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import dpkfc_med
 from dpkfc_med.data import DataValidationError
 from dpkfc_med.tasks.segmentation.metrics import save_label_map
 
@@ -81,7 +82,6 @@ def write_dicom_seg(label_map: Any, case: Any, names: Sequence[str], path: Path)
     import pydicom
     from pydicom.sr.codedict import codes
 
-    import dpkfc_med
     from dpkfc_med.data.dicom.scan import check_series, scan_case
 
     scan = scan_case(case.series_folder, case.case_id)
