@@ -11,7 +11,7 @@ Arms, one protocol for all (the same data, split, epsilon, evaluation):
   recipe field removed (data, network and privacy target kept).
 
 Workloads: ``zoo_bundle_3d`` (``dpkfc_bench/bundles/hippocampus_zoo_style``, a bundle written
-the Model Zoo way: UNet with BatchNorm and residual units, Adam 3e-3, batch 8), and the shipped
+the Model Zoo way: UNet with BatchNorm, Adam 3e-3, batch 8), and the shipped
 configs ``pneumonia_cnn``, ``hippocampus_3d``, ``hippocampus_2d``, ``adrenal_cnn``. Each run
 goes through the CLI; its test metric is read from the custodian's ``metrics.json`` (test
 patients no run selected on). Results: ``dpkfc_bench/results/recipe.{json,md,png}``; an

@@ -196,6 +196,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--unit-key", default=None, help="data-list key of the unit (patient) id")
     t.add_argument(
+        "--recipe",
+        choices=("auto", "bundle"),
+        default=None,
+        help="auto: batch, epochs, clip norm, optimizer, lr, data-free pretraining and method "
+        "chosen by a rule on public facts (training.recipe: auto); bundle: keep the bundle's "
+        "own optimizer, lr, batch and epochs (default: the bundle's "
+        "private_training#training#recipe, else auto)",
+    )
+    t.add_argument(
         "--allow-data-dependent",
         action="append",
         default=[],
@@ -476,6 +485,7 @@ def _bundle(args: argparse.Namespace) -> int:
             delta=args.delta,
             method=args.method,
             unit_key=args.unit_key,
+            recipe=args.recipe,
             out=args.out,
             overrides=args.override,
             settings=args.settings,

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Bundle exports keep their data tag under a custodian key (models/pretrained.py): the tests'
+# key lives in a temporary folder, never in the user's ~/.config.
+os.environ.setdefault(
+    "DPKFC_MED_CUSTODIAN_KEY", os.path.join(tempfile.mkdtemp(prefix="dpkfc_key_"), "custodian.key")
+)
 
 # pytest-xdist runs two workers (pyproject addopts): one thread each, so they share the two
 # cores instead of oversubscribing them.

@@ -254,17 +254,17 @@ def _readme(meta: dict[str, Any], task: dict[str, Any], note: str) -> str:
             f"{dp['max_grad_norm']:g}; {dp['steps']} steps",
             *[f"- WARNING: {w}" for w in dp["headline_warnings"]],
         ]
+        if others:
+            lines.append(
+                f"- other accountants, bounds on the same mechanism (not the stated epsilon): "
+                f"{others}"
+            )
     start = dp.get("pretrained_weights")
     if start:
         lines.append(
             f"- fine-tuned ({start['fine_tuning']}) from pretrained weights: SHA-256 "
             f"`{start['sha256']}`, source: {start['source']}. {start['covered']}"
         )
-        if others:
-            lines.append(
-                f"- other accountants, bounds on the same mechanism (not the stated epsilon): "
-                f"{others}"
-            )
     tuning = dp.get("tuning")
     if tuning:
         released = tuning["released"] or {}

@@ -44,6 +44,7 @@ from dpkfc_med.bundle.guards import (
     output_problems,
     user_handlers,
 )
+from dpkfc_med.bundle.own_recipe import bundle_recipe, bundle_training
 from dpkfc_med.bundle.pretrained import model_keys_allowed, use_pretrained
 from dpkfc_med.bundle.zoo_task import (
     BundleConfigError,
@@ -192,6 +193,7 @@ def prepare_bundle(
     delta: float | None = None,
     method: str | None = None,
     unit_key: str | None = None,
+    recipe: str | None = None,
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
     settings: Sequence[str] = (),
@@ -210,6 +212,9 @@ def prepare_bundle(
         method: ``dp-kfc``, ``dp-sgd`` or ``nonprivate`` (default: the bundle's
             ``private_training#method``, else ``dp-kfc``).
         unit_key: Data-list key whose items form one unit (a patient id); default one item.
+        recipe: ``auto``: unset training settings chosen by the rule of ``training.recipe:
+            auto``; ``bundle``: the bundle's own (:mod:`dpkfc_med.bundle.own_recipe`);
+            default: the bundle's ``private_training#training#recipe``, else ``auto``.
         out: The run directory (default ``runs/<bundle name>``).
         overrides: ``ID=VALUE`` settings of the bundle config (MONAI ids, ``#`` separated).
         settings: ``--set``-style settings of the private run (``privacy.max_grad_norm=0.5``).
@@ -238,16 +243,7 @@ def prepare_bundle(
     replaced = guarantee_problems(parser)
     fmt = network_format(parser)
     network_def = parser.get_parsed_content("network_def", instantiate=False).get_config()
-    epochs = int(config_value(parser, "train#trainer#max_epochs", 1) or 1)
-    batch = int(config_value(parser, "train#dataloader#batch_size", 2) or 2)
-    lr = float(parser["optimizer#lr"]) if has_id(parser, "optimizer#lr") else 1e-3
-    opt_target = str(parser["optimizer#_target_"]) if has_id(parser, "optimizer#_target_") else ""
-    optimizer = "adam" if opt_target.rsplit(".", 1)[-1].lower() == "adam" else "sgd"
-    if opt_target and opt_target.rsplit(".", 1)[-1].lower() not in ("adam", "sgd"):
-        replaced.append(
-            f"optimizer ({opt_target}): replaced by SGD with its lr (the private engine trains "
-            "with SGD, Adam or DP-AdamBC; choose with --set training.optimizer=adam)"
-        )
+    recipe = bundle_recipe(parser, recipe)
     name = bundle.resolve().name
     raw: dict[str, Any] = {
         "name": name,
@@ -258,20 +254,17 @@ def prepare_bundle(
             "norm": "group",
             "kwargs": {"network_def": _plain_config(network_def)},
         },
-        "method": "dp-kfc",
         "privacy": {},
-        "training": {"epochs": epochs, "batch_size": batch, "lr": lr, "optimizer": optimizer,
-                     "select_epoch": "last",
-                     **{k: float(parser[f"optimizer#{k}"]) for k in ("momentum", "weight_decay")
-                        if has_id(parser, f"optimizer#{k}")}},
-        "pretrain": {"steps": 0},
-    }  # fmt: skip
+        # --recipe auto: the rule chooses; bundle: the bundle's own optimizer, lr, batch, epochs
+        **bundle_training(parser, recipe, replaced),
+    }
     # the probes' texture from the metadata's declared modality (a public statement), unless
     # private_training or --set chooses the preset
     preset = preset_for_modality(fmt.get("modality"))
     if preset is not None:
         raw["probes"] = {"preset": preset}
     _merge(raw, _private_training(parser))
+    raw["training"]["recipe"] = "auto" if recipe == "auto" else "manual"
     raw["output"] = {"dir": str(out) if out is not None else f"runs/{name}"}
     for key, value in (("target_epsilon", epsilon), ("delta", delta)):
         if value is not None:
@@ -329,6 +322,7 @@ def prepare_bundle(
         "delta": delta,
         "method": method,
         "unit_key": unit_key,
+        "recipe": recipe,
         "overrides": list(overrides),
         "settings": list(settings),
         "allow_data_dependent": list(allow_data_dependent),

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from dpkfc_med.recipe.facts import PublicFacts, network_facts
-from dpkfc_med.recipe.rule import RECIPE_FIELDS, Choice, choose
+from dpkfc_med.recipe.rule import RECIPE_FIELDS, RECIPES, Choice, choose
 
-if TYPE_CHECKING:
-    from dpkfc_med.training.config import RunConfig
+# RunConfig (dpkfc_med.training.config) is typed Any here: the recipe sits below training
+RunConfig = Any
 
 __all__ = [
     "RECIPES",
     "SET_BY_YOU",
     "BY_RULE",
-    "leaf_paths",
     "public_facts",
     "recipe_after_task",
     "recipe_before_task",
@@ -35,21 +33,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RECIPES = ("manual", "auto")
 SET_BY_YOU, BY_RULE = "set by you", "chosen by the rule"
 _DATA_FIELDS = ("data.patches_per_unit", "data.slices.per_unit")
-
-
-def leaf_paths(data: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dotted paths of every value a nested mapping sets (``training.lr``, ...)."""
-    out: list[str] = []
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.extend(leaf_paths(value, path + "."))
-        else:
-            out.append(path)
-    return out
 
 
 def _is_set(field: str, set_by_user: frozenset[str]) -> bool:

@@ -33,8 +33,9 @@ from typing import Any
 
 from dpkfc_med.recipe.facts import PublicFacts
 
-__all__ = ["Choice", "choose", "RECIPE_FIELDS", "TARGET_STEPS"]
+__all__ = ["Choice", "choose", "RECIPES", "RECIPE_FIELDS", "TARGET_STEPS"]
 
+RECIPES = ("manual", "auto")  # training.recipe
 TARGET_STEPS = 200  # noisy steps of a run
 BATCH_SHARE = 0.42  # expected batch as a share of the training units
 SEG_REFERENCE = (0.01, 30_000)  # Adam lr for a 30k-parameter UNet

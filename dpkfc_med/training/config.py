@@ -23,8 +23,7 @@ import yaml
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.methods import Method
-from dpkfc_med.recipe.apply import leaf_paths
-from dpkfc_med.training.config_build import build_dataclass
+from dpkfc_med.training.config_build import build_dataclass, leaf_paths
 from dpkfc_med.training.config_checks import attribute_overrides, value_problems
 
 __all__ = [

@@ -8,11 +8,12 @@ metadata are not read from a mapping.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, get_args, get_origin, get_type_hints
 
 from dpkfc_med.utils import did_you_mean
 
-__all__ = ["build_dataclass"]
+__all__ = ["build_dataclass", "leaf_paths"]
 
 
 def _coerce(path: str, value: Any, hint: Any, problems: list[str]) -> Any:
@@ -87,3 +88,15 @@ def build_dataclass(cls: type, data: Any, prefix: str, problems: list[str]) -> A
         else:
             kwargs[key] = _coerce(path, value, hint, problems)
     return cls(**kwargs)
+
+
+def leaf_paths(data: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of every value a nested mapping sets (``training.lr``, ...)."""
+    out: list[str] = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.extend(leaf_paths(value, path + "."))
+        else:
+            out.append(path)
+    return out

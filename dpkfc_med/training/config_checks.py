@@ -23,7 +23,7 @@ from dpkfc_med.privacy.adambc import NATURAL_STEP_REFUSED
 from dpkfc_med.privacy.ghost import Clipping
 from dpkfc_med.privacy.stp import GHOST_REFUSED
 from dpkfc_med.probes.sources import NoiseKind, TargetRule
-from dpkfc_med.recipe.apply import RECIPES
+from dpkfc_med.recipe.rule import RECIPES
 from dpkfc_med.tasks.kinds import TASK_KINDS, TaskKind
 from dpkfc_med.utils import did_you_mean
 

@@ -158,3 +158,25 @@ def test_a_resumed_run_reports_the_rule_s_fields_as_chosen(tmp_path):
     origins = {r["field"]: r["origin"] for r in facts_rows}
     assert origins["training.lr"] == SET_BY_YOU and origins["training.optimizer"] == BY_RULE
     assert again.training.batch_size == first.training.batch_size  # values as stored
+
+
+def test_a_bundle_gets_the_rule_unless_it_or_you_ask_for_its_own():
+    """bundle train: recipe auto by default (the bundle's optimizer, lr, batch and epochs left to
+    the rule), --recipe bundle or private_training#training#recipe: bundle keeps them."""
+    from dpkfc_med.bundle.zoo import prepare_bundle
+    from dpkfc_med.data.paths import resolve_data_path
+
+    root = Path(__file__).resolve().parents[2]
+    bundle = root / "tests" / "bundle" / "zoo_bundle"
+    overrides = [f"dataset_dir={resolve_data_path('msd_hippocampus', kind='dir')}", "num_train=4"]
+    auto = prepare_bundle(bundle, epsilon=8, overrides=overrides)
+    assert auto.cfg.training.recipe == "auto" and "method" not in auto.cfg.set_by_user
+    assert not {"training.epochs", "training.lr", "training.batch_size"} & set(auto.cfg.set_by_user)
+    own = prepare_bundle(bundle, epsilon=8, overrides=overrides, recipe="bundle")
+    assert own.cfg.training.recipe == "manual"
+    assert (own.cfg.training.lr, own.cfg.training.batch_size, own.cfg.training.epochs) == (
+        0.001, 2, 2)  # fmt: skip
+    pipeline = prepare_bundle(root / "pipelines" / "segmentation_3d", epsilon=8)
+    assert pipeline.cfg.training.recipe == "manual" and pipeline.cfg.training.epochs == 40
+    assert prepare_bundle(root / "pipelines" / "segmentation_3d", epsilon=8,
+                          recipe="auto").cfg.training.recipe == "auto"  # fmt: skip
