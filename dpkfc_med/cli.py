@@ -427,9 +427,10 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from dpkfc_med.training.evaluate import evaluate_run
+    from dpkfc_med.bundle.zoo import evaluate_bundle_run
+    from dpkfc_med.training.evaluate import evaluate_run, is_bundle_run
 
-    out = evaluate_run(
+    out = (evaluate_bundle_run if is_bundle_run(args.run_dir) else evaluate_run)(
         args.run_dir,
         data=args.data,
         split=args.split,

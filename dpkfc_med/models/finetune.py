@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -64,7 +65,9 @@ __all__ = [
 
 log = logging.getLogger("dpkfc_med")
 
-_RECORD_ATTR = "_dpkfc_finetune"
+# what apply_finetune did to each network, held beside it rather than as an attribute on it
+# (weak keys: a record goes with its network)
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, FinetuneRecord] = weakref.WeakKeyDictionary()
 _NORMS: tuple[type[nn.Module], ...] = tuple(
     t
     for t in (
@@ -318,7 +321,7 @@ def apply_finetune(
         ],
         lora=lora_info,
     )
-    setattr(model, _RECORD_ATTR, record)
+    _RECORDS[model] = record
     if mode is not FinetuneMode.FULL:
         log.info(
             "training.finetune=%s: %d parameters train, %d frozen (modules: %s)",
@@ -382,7 +385,7 @@ def prepare_finetune(model: nn.Module, model_cfg: Any, training_cfg: Any) -> Fin
 
 def finetune_record(model: nn.Module) -> FinetuneRecord | None:
     """The record :func:`apply_finetune` kept on ``model`` (``None`` if it never ran)."""
-    return getattr(model, _RECORD_ATTR, None)
+    return _RECORDS.get(model)
 
 
 def finetune_report(model: nn.Module) -> dict[str, Any]:

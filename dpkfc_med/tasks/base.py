@@ -9,7 +9,7 @@ holds each task kind's builder.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +21,9 @@ from dpkfc_med.probes import ImageProbeSource
 from dpkfc_med.tasks.classification.public_probes import PublicProbeSource
 from dpkfc_med.tasks.kinds import TaskKind
 
-if TYPE_CHECKING:
-    from dpkfc_med.training.config import RunConfig
+# the run config (dpkfc_med.training.config.RunConfig), typed Any here: tasks sit below
+# training, which imports them
+RunConfig = Any
 
 __all__ = ["Task"]
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 from torch.utils.data import Subset
 
+from dpkfc_med.errors import ConfigError
 from dpkfc_med.methods import Method
-from dpkfc_med.tasks.base import Task
+from dpkfc_med.tasks.base import RunConfig, Task
 from dpkfc_med.tasks.classification.task import classification_task
 from dpkfc_med.tasks.kinds import TaskKind
-from dpkfc_med.training.config import ConfigError, RunConfig
 
 __all__ = ["TASK_BUILDERS", "TaskBuilder", "build_task", "register_task", "task_builder"]
 
-TaskBuilder = Callable[[RunConfig, str | None], Task]
+TaskBuilder = Callable[["RunConfig", "str | None"], Task]
 """``builder(cfg, data_path) -> Task``: the task of ``cfg`` (``data_path`` overrides the folder)."""
 
 TASK_BUILDERS: dict[TaskKind, TaskBuilder] = {}

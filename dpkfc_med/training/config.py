@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import yaml
 
 from dpkfc_med.curvature.preconditioner import PreconditionerConfig
+from dpkfc_med.errors import ConfigError
 from dpkfc_med.methods import Method
 from dpkfc_med.training.config_build import build_dataclass, leaf_paths
 from dpkfc_med.training.config_checks import attribute_overrides, value_problems
@@ -41,30 +42,6 @@ __all__ = [
     "TrainingConfig",
     "load_config",
 ]
-
-
-class ConfigError(ValueError):
-    """One or more problems in a run configuration.
-
-    Attributes:
-        problems: One line per problem, e.g. ``"training.lr: must be > 0, got -1"``.
-        source: Where the problems are, in words (a file, ``"the --set overrides"``, ...).
-        set_by: Per problem, ``(KEY=VALUE, what is wrong)`` when a ``--set`` override is its
-            culprit, else ``None``; empty when nothing was attributed.
-        file: The YAML file holding the problems not attributed to an override, if any.
-    """
-
-    def __init__(
-        self,
-        problems: list[str],
-        source: str = "config",
-        *,
-        set_by: list[tuple[str, str] | None] | None = None,
-        file: str | None = None,
-    ) -> None:
-        self.problems, self.source = problems, source
-        self.set_by, self.file = list(set_by or []), file
-        super().__init__(f"config error in {source}:\n  " + "\n  ".join(problems))
 
 
 @dataclass

@@ -56,13 +56,22 @@ from dpkfc_med.training.predictions import save_prediction
 from dpkfc_med.training.setup import build_run_model
 from dpkfc_med.utils import write_json
 
-__all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run"]
+__all__ = ["EVALUATIONS_DIR", "TrainingDataEvaluationWarning", "evaluate_run", "is_bundle_run"]
 
 log = logging.getLogger("dpkfc_med")
 
 
 class TrainingDataEvaluationWarning(UserWarning):
     """The evaluated data overlaps the run's private training split."""
+
+
+def is_bundle_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a ``dpkfc-med bundle train`` run (its model is a bundle's)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return False
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return str((raw.get("model") or {}).get("name", "")).startswith("bundle:")
 
 
 def evaluate_run(
@@ -104,12 +113,12 @@ def evaluate_run(
             problems + ["evaluate needs a finished run directory (dpkfc-med train ...)"], str(run)
         )
     raw = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
-    if str((raw.get("model") or {}).get("name", "")).startswith("bundle:"):
-        from dpkfc_med.bundle.zoo import evaluate_bundle_run
-
-        return evaluate_bundle_run(
-            run, split=split, device=device, data=data, save_predictions=save_predictions
-        )
+    if is_bundle_run(run):  # its data and evaluator are the bundle's, one layer up
+        raise ConfigError(
+            [f"{run} is a MONAI bundle run: evaluate it with "
+             "dpkfc_med.bundle.zoo.evaluate_bundle_run (what `dpkfc-med evaluate` does)"],
+            str(run),
+        )  # fmt: skip
     trained = config_from_dict(copy.deepcopy(raw), str(run / "config.yaml"))
     cfg = config_from_dict(raw, str(run / "config.yaml"))
     cfg.data.max_train = None

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from dpkfc_med.data import MedMNISTDataset, load_medmnist, resolve_data_path
 from dpkfc_med.data.fingerprint import count_shared, image_digests
+from dpkfc_med.errors import ConfigError
 from dpkfc_med.tasks.kinds import TaskKind
-from dpkfc_med.training.config import ConfigError
 
 __all__ = ["PublicProbeSource"]
 

@@ -34,10 +34,10 @@ from dpkfc_med.data.units import (
     read_unit_ids_csv,
     same_grouping,
 )
-from dpkfc_med.tasks.base import Task
+from dpkfc_med.errors import ConfigError
+from dpkfc_med.tasks.base import RunConfig, Task
 from dpkfc_med.tasks.classification.metrics import classification_metrics
 from dpkfc_med.tasks.kinds import TaskKind
-from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.units import unit_note_for
 
 __all__ = ["ClassificationTask", "ResizeImage", "classification_task"]

@@ -27,6 +27,8 @@ from dpkfc_med.data import (
     sha256_file,
 )
 from dpkfc_med.data.cases import image_digest, read_array
+from dpkfc_med.errors import ConfigError
+from dpkfc_med.tasks.base import RunConfig
 from dpkfc_med.tasks.kinds import TaskKind
 from dpkfc_med.tasks.segmentation.batches import CachedPrefix, CachedVolumes, VolumeCollate
 from dpkfc_med.tasks.segmentation.layout import (
@@ -35,7 +37,6 @@ from dpkfc_med.tasks.segmentation.layout import (
     resolve_layout,
 )
 from dpkfc_med.tasks.segmentation.task import SegmentationTask
-from dpkfc_med.training.config import ConfigError, RunConfig
 
 __all__ = ["build"]
 
