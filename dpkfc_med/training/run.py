@@ -98,6 +98,7 @@ from dpkfc_med.training.setup import (
     resolve_recipe,
     seed_everything,
     task_record,
+    unit_batch,
 )
 from dpkfc_med.utils import write_json
 
@@ -208,16 +209,7 @@ def train(
         if n_units == 0:
             raise PlanError("the training split is empty")
         cfg = resolve_recipe(cfg, task, model, n_units)
-        batch = min(cfg.training.batch_size, n_units)
-        if batch < cfg.training.batch_size:
-            print(
-                f"training.batch_size={cfg.training.batch_size} is more than the {n_units} "
-                "training units: every step draws each unit with probability 1 (q = 1, expected "
-                f"batch {n_units}); lower training.batch_size for subsampling, which amplifies "
-                "privacy",
-                file=sys.stderr,
-                flush=True,
-            )
+        batch = unit_batch(cfg, n_units)
         steps_per_epoch = max(1, math.ceil(n_units / batch))
         tracking = _tracking(cfg, run_dir)  # a missing package stops the run before its folder
         opening = open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)

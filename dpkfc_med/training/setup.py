@@ -35,6 +35,7 @@ __all__ = [
     "recipe_before_task",
     "resolve_device",
     "resolve_recipe",
+    "unit_batch",
     "seed_everything",
     "task_record",
 ]
@@ -155,3 +156,18 @@ def resolve_recipe(cfg: RunConfig, task: Task, model: nn.Module, n_units: int) -
         print("recipe (training.recipe: auto):", *recipe_lines(out.recipe_rows), sep="\n",
               file=sys.stderr, flush=True)  # fmt: skip
     return out
+
+
+def unit_batch(cfg: RunConfig, n_units: int) -> int:
+    """``training.batch_size``, at most the training units (said on the console when cut)."""
+    batch = min(cfg.training.batch_size, n_units)
+    if batch < cfg.training.batch_size:
+        print(
+            f"training.batch_size={cfg.training.batch_size} is more than the {n_units} "
+            "training units: every step draws each unit with probability 1 (q = 1, expected "
+            f"batch {n_units}); lower training.batch_size for subsampling, which amplifies "
+            "privacy",
+            file=sys.stderr,
+            flush=True,
+        )
+    return batch
