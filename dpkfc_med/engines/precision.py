@@ -27,6 +27,8 @@ from enum import Enum
 
 import torch
 
+from dpkfc_med.errors import ConfigError
+
 
 class Precision(str, Enum):
     """``training.precision``."""
@@ -86,3 +88,12 @@ def backend_settings(device: torch.device) -> Iterator[dict[str, bool]]:
             torch.backends.cudnn.allow_tf32,
             torch.backends.cudnn.benchmark,
         ) = saved
+
+
+def resolve_device(name: str) -> torch.device:
+    """``training.device`` as a device (``auto``: CUDA when available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(["training.device=cuda: no CUDA device is available; use cpu or auto"])
+    return torch.device(name)

@@ -97,9 +97,9 @@ def _site_main(
 
     _quiet_flower()
     from dpkfc_med.tasks.build import build_task
+    from dpkfc_med.training.pretrain import pretrain as _pretrain
     from dpkfc_med.training.run import train
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.setup import pretrain as _pretrain
 
     torch.set_num_threads(threads)
 

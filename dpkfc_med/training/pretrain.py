@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -36,9 +36,20 @@ from torch import Tensor, nn
 import dpkfc_med
 from dpkfc_med.probes import noise, sources
 from dpkfc_med.probes.sources import shape_volumes
+from dpkfc_med.tasks.base import Task
 from dpkfc_med.utils import atomic_write_bytes
 
-__all__ = ["PretrainSpec", "pretrain_cache_key", "pretrain_synthetic", "synthetic_shapes"]
+if TYPE_CHECKING:
+    from dpkfc_med.training.config import RunConfig
+
+__all__ = [
+    "PRETRAIN_CACHE",
+    "PretrainSpec",
+    "pretrain",
+    "pretrain_cache_key",
+    "pretrain_synthetic",
+    "synthetic_shapes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -313,3 +324,30 @@ def _pretrain(
     record = spec.describe(spatial_shape, alpha, seconds)
     record["final_loss"] = last
     return record
+
+
+PRETRAIN_CACHE = ".pretrain_cache"  # pretrain.cache_dir: auto, beside the run directory
+
+
+def pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """Data-free pretraining on synthetic shapes (config only; see :mod:`.pretrain`)."""
+    from dpkfc_med.probes.presets import get_preset
+
+    p = cfg.pretrain
+    alpha = (
+        cfg.probes.alpha if cfg.probes.alpha is not None else get_preset(cfg.probes.preset).alpha
+    )
+    return pretrain_synthetic(
+        model,
+        PretrainSpec(steps=p.steps, batch_size=p.batch_size, lr=p.lr, seed=p.seed),
+        loss=task.loss,
+        spatial_shape=task.spatial_shape,
+        num_classes=task.num_classes,
+        spacing=task.spacing or (1.0,) * len(task.spatial_shape),
+        alpha=alpha,
+        device=device,
+        cache_dir=(cfg.run_dir().parent / PRETRAIN_CACHE if p.cache_dir == "auto" else p.cache_dir),
+        loss_id=f"{type(task).__module__}.{type(task).__qualname__}.loss",
+        channels=task.in_channels,
+        progress=cfg.training.progress,
+    )

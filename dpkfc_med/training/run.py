@@ -52,7 +52,12 @@ from dpkfc_med.engines.handlers.tracking import (
     TrackingPlan,
     plan_tracking,
 )
-from dpkfc_med.engines.precision import Precision, backend_settings, check_precision
+from dpkfc_med.engines.precision import (
+    Precision,
+    backend_settings,
+    check_precision,
+    resolve_device,
+)
 from dpkfc_med.engines.schedule import WeightAverage
 from dpkfc_med.models.finetune import finetune_report, released_state_dict
 from dpkfc_med.privacy.adambc import DPAdamBC
@@ -78,6 +83,7 @@ from dpkfc_med.training.opening import (
     start_run_files,
     stored_plans,
 )
+from dpkfc_med.training.pretrain import pretrain
 from dpkfc_med.training.run_folder import (
     CHECKPOINT,
     LEDGER,
@@ -92,13 +98,10 @@ from dpkfc_med.training.run_folder import (
 from dpkfc_med.training.setup import (
     build_run_model,
     make_optimizer,
-    pretrain,
     recipe_before_task,
-    resolve_device,
-    resolve_recipe,
     seed_everything,
+    settle_recipe,
     task_record,
-    unit_batch,
 )
 from dpkfc_med.utils import write_json
 
@@ -208,8 +211,7 @@ def train(
         n_units = len(task.train_set)  # type: ignore[arg-type]
         if n_units == 0:
             raise PlanError("the training split is empty")
-        cfg = resolve_recipe(cfg, task, model, n_units)
-        batch = unit_batch(cfg, n_units)
+        cfg, batch = settle_recipe(cfg, task, model, n_units)
         steps_per_epoch = max(1, math.ceil(n_units / batch))
         tracking = _tracking(cfg, run_dir)  # a missing package stops the run before its folder
         opening = open_run(cfg, task, run_dir, resume, n_units, steps_per_epoch)

@@ -25,22 +25,17 @@ from dpkfc_med.recipe.apply import recipe_lines
 from dpkfc_med.tasks.base import Task
 from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.training.config_checks import value_problems
-from dpkfc_med.training.pretrain import PretrainSpec, pretrain_synthetic
 
 __all__ = [
-    "PRETRAIN_CACHE",
     "build_run_model",
     "make_optimizer",
-    "pretrain",
     "recipe_before_task",
-    "resolve_device",
     "resolve_recipe",
+    "settle_recipe",
     "unit_batch",
     "seed_everything",
     "task_record",
 ]
-
-PRETRAIN_CACHE = ".pretrain_cache"  # pretrain.cache_dir: auto, beside the run directory
 
 
 def seed_everything(seed: int) -> None:
@@ -48,15 +43,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``training.device`` as a device (``auto``: CUDA when available)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(["training.device=cuda: no CUDA device is available; use cpu or auto"])
-    return torch.device(name)
 
 
 def build_run_model(
@@ -108,30 +94,6 @@ def make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def pretrain(cfg: RunConfig, task: Task, model: nn.Module, device: torch.device) -> dict[str, Any]:
-    """Data-free pretraining on synthetic shapes (config only; see :mod:`.pretrain`)."""
-    from dpkfc_med.probes.presets import get_preset
-
-    p = cfg.pretrain
-    alpha = (
-        cfg.probes.alpha if cfg.probes.alpha is not None else get_preset(cfg.probes.preset).alpha
-    )
-    return pretrain_synthetic(
-        model,
-        PretrainSpec(steps=p.steps, batch_size=p.batch_size, lr=p.lr, seed=p.seed),
-        loss=task.loss,
-        spatial_shape=task.spatial_shape,
-        num_classes=task.num_classes,
-        spacing=task.spacing or (1.0,) * len(task.spatial_shape),
-        alpha=alpha,
-        device=device,
-        cache_dir=(cfg.run_dir().parent / PRETRAIN_CACHE if p.cache_dir == "auto" else p.cache_dir),
-        loss_id=f"{type(task).__module__}.{type(task).__qualname__}.loss",
-        channels=task.in_channels,
-        progress=cfg.training.progress,
-    )
-
-
 def task_record(task: Task) -> dict[str, Any]:
     """The task's public description kept in ``run.json`` (shapes, classes, unit, metric)."""
     return {
@@ -142,6 +104,14 @@ def task_record(task: Task) -> dict[str, Any]:
         "spatial_shape": list(task.spatial_shape),
         "label_names": task.label_names,
     }
+
+
+def settle_recipe(
+    cfg: RunConfig, task: Task, model: nn.Module, n_units: int
+) -> tuple[RunConfig, int]:
+    """The run's settings once the task and network exist: the recipe, and the batch at most N."""
+    cfg = resolve_recipe(cfg, task, model, n_units)
+    return cfg, unit_batch(cfg, n_units)
 
 
 def resolve_recipe(cfg: RunConfig, task: Task, model: nn.Module, n_units: int) -> RunConfig:

@@ -70,8 +70,8 @@ def test_pretrained_weights_do_not_depend_on_the_private_data():
     """Same config, two different private training sets: bitwise the same pretrained model."""
     assert (HIPPO / "imagesTr").is_dir(), f"no msd_hippocampus data at {HIPPO}"
     from dpkfc_med.tasks.build import build_task
+    from dpkfc_med.training.pretrain import pretrain as _pretrain
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.setup import pretrain as _pretrain
     from dpkfc_med.training.setup import seed_everything as _seed_everything
 
     weights = []
@@ -143,8 +143,8 @@ def test_shipped_hippocampus_configs_are_one_recipe_at_three_epsilons():
 
 
 def _pretrained(cfg, task):
+    from dpkfc_med.training.pretrain import pretrain as _pretrain
     from dpkfc_med.training.setup import build_run_model
-    from dpkfc_med.training.setup import pretrain as _pretrain
     from dpkfc_med.training.setup import seed_everything as _seed_everything
 
     _seed_everything(cfg.training.seed)
