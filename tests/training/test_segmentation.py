@@ -432,7 +432,7 @@ def test_label_values_outside_the_config_classes_are_refused_before_pretraining(
     tmp_path, capsys, monkeypatch
 ):
     """No dataset.json labels, data.num_classes=3: a case with label 5 is named at once."""
-    import dpkfc_med.training.setup as loop
+    import dpkfc_med.training.pretrain as loop
 
     def never(*args, **kwargs):
         raise AssertionError("pretraining started before the cases were validated")
