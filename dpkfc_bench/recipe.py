@@ -104,7 +104,9 @@ def _metric(job: dict[str, Any], run: Path) -> tuple[str, float | None, dict[str
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One arm through the CLI; its test metric, minutes and the recipe it trained with."""
-    run = runs_dir("recipe") / f"{job['workload']}_{job['arm']}_eps{job['epsilon']:g}_s{job['seed']}"
+    run = (
+        runs_dir("recipe") / f"{job['workload']}_{job['arm']}_eps{job['epsilon']:g}_s{job['seed']}"
+    )
     if run.exists():
         import shutil
 
@@ -137,9 +139,7 @@ def render(data: dict[str, Any]) -> str:
         cells = []
         for arm in ARMS:
             vals = arms.get(arm, [])
-            cells.append(
-                "-" if not vals else f"{sum(vals) / len(vals):.3f} (n={len(vals)})"
-            )
+            cells.append("-" if not vals else f"{sum(vals) / len(vals):.3f} (n={len(vals)})")
         metric = next(r["metric"] for r in runs if r["workload"] == w)
         rows.append([w, f"{eps:g}", metric, *cells])
     lines = [
@@ -156,9 +156,14 @@ def render(data: dict[str, Any]) -> str:
         *table(
             ["workload", "arm", "epsilon", "seed", "value", "minutes"],
             [
-                [r["workload"], r["arm"], f"{r['epsilon']:g}", str(r["seed"]),
-                 "error" if r.get("value") is None else f"{r['value']:.3f}",
-                 f"{r.get('minutes', 0):.1f}"]
+                [
+                    r["workload"],
+                    r["arm"],
+                    f"{r['epsilon']:g}",
+                    str(r["seed"]),
+                    "error" if r.get("value") is None else f"{r['value']:.3f}",
+                    f"{r.get('minutes', 0):.1f}",
+                ]
                 for r in data["runs"]
             ],
         ),  # fmt: skip

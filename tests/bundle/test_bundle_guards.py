@@ -46,7 +46,17 @@ def test_kept_handlers_write_only_into_the_custodian_folder(data_dir, tmp_path):
         "validate#handlers=[{'_target_': 'MetricsSaver', 'save_dir': '" + str(outside) + "', "
         "'metrics': '*', 'metric_details': '*'}]"
     )
-    args = ["bundle", "train", str(BUNDLE), "--epsilon", "8", "--recipe", "bundle", "--out", str(out)]
+    args = [
+        "bundle",
+        "train",
+        str(BUNDLE),
+        "--epsilon",
+        "8",
+        "--recipe",
+        "bundle",
+        "--out",
+        str(out),
+    ]
     for o in [*_base(data_dir, 3), saver, "validate#dataset#data=$[{'image': @images[-1], "
               "'label': @labels[-1]}]"]:  # fmt: skip
         args += ["--override", o]

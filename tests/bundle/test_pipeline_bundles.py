@@ -77,8 +77,13 @@ def test_pipeline_bundle_is_its_run_config_in_the_model_zoo_layout(name):
 @pytest.fixture(scope="module")
 def seg_bundle_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_seg") / "run"
-    train_bundle(PIPELINES / "segmentation_3d", out=out, overrides=SEG_IDS, settings=SEG_SETTINGS,
-                 recipe="bundle")
+    train_bundle(
+        PIPELINES / "segmentation_3d",
+        out=out,
+        overrides=SEG_IDS,
+        settings=SEG_SETTINGS,
+        recipe="bundle",
+    )
     return out
 
 

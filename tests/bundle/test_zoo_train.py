@@ -48,7 +48,17 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
     from dpkfc_med.training.opening import plan_privacy
 
     out = tmp_path / "run"
-    args = ["bundle", "train", str(bundle), "--epsilon", "8", "--recipe", "bundle", "--out", str(out)]
+    args = [
+        "bundle",
+        "train",
+        str(bundle),
+        "--epsilon",
+        "8",
+        "--recipe",
+        "bundle",
+        "--out",
+        str(out),
+    ]
     for o in _overrides(data_dir, epochs=1):
         args += ["--override", o]
     assert main([*args, "--set", "training.progress=false"]) == 0

@@ -145,7 +145,17 @@ def bundle_run(tmp_path_factory) -> Path:
     shutil.copytree(BUNDLE, bundle)
     out = tmp / "run"
     overrides = [f"dataset_dir={HIPPO}", "num_train=4", "train#trainer#max_epochs=1"]
-    args = ["bundle", "train", str(bundle), "--epsilon", "8", "--recipe", "bundle", "--out", str(out)]
+    args = [
+        "bundle",
+        "train",
+        str(bundle),
+        "--epsilon",
+        "8",
+        "--recipe",
+        "bundle",
+        "--out",
+        str(out),
+    ]
     args += [a for o in overrides for a in ("--override", o)]
     assert main([*args, "--set", "training.progress=false"]) == 0
     return out
