@@ -108,10 +108,10 @@ class OpeningKind(str, Enum):
     """How a run opens (``kind`` of its ``plan.json`` entries and its config history).
 
     Attributes:
-        START: From the initial model (a new run, or a resume whose first session stopped
+        START: From the initial model (a new run, or a resume of a run that stopped
             before anything was spent or checkpointed).
         CHECKPOINT: From the last checkpoint: model, optimizer, ledger and schedule.
-        LEDGER: From the initial model, with the steps an earlier session spent carried in
+        LEDGER: From the initial model, with the steps the run spent before it stopped carried in
             the ledger (it stopped before its first checkpoint).
     """
 
@@ -126,7 +126,7 @@ class OpeningKind(str, Enum):
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """What a private run may spend: the mechanism's parameters over all its sessions.
+    """What a private run may spend: the mechanism's parameters over the whole run and its resumes.
 
     Stored as the ``plan`` of each ``plan.json`` entry (:meth:`to_dict`, read back with
     :meth:`from_dict`); the report's plan history shows the same entries.
@@ -134,10 +134,10 @@ class PrivacyPlan:
     Attributes:
         delta: The run's delta (``privacy.delta``, or ``min(1e-5, 1/N)``).
         sample_rate: ``q = 1 / ceil(N / B)``, the Poisson sampling rate of every step.
-        planned_steps: Noisy steps of the whole run, those of earlier sessions included.
+        planned_steps: Noisy steps of the whole run, those spent before a resume included.
         noise_multiplier: ``sigma`` of the steps still to take.
-        spent_steps: Noisy steps earlier sessions already spent.
-        steps_remaining: Noisy steps this session may still take.
+        spent_steps: Noisy steps the run spent before this resume.
+        steps_remaining: Noisy steps still to take from this start.
     """
 
     delta: float
@@ -188,7 +188,7 @@ class RunPlan:
     Attributes:
         kind: Fresh, from the checkpoint, or from the ledger alone.
         privacy: The privacy plan; ``None`` for a non-private method.
-        previous: The ledger an earlier session left (steps already spent), if any.
+        previous: The ledger the run left when it stopped (steps already spent), if any.
         changes: Config fields this resume changes against the run's stored config.
     """
 

@@ -30,7 +30,7 @@ from dpkfc_med.privacy.audit import (
     simulated_scores,
     tolerated_wrong,
 )
-from dpkfc_med.privacy.audit_power import POWER_MARGIN
+from dpkfc_med.privacy.audit.power import POWER_MARGIN
 from dpkfc_med.training.audit import (
     DEFAULT_CANARIES,
     format_audit,

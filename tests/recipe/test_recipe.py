@@ -65,10 +65,12 @@ def test_lr_falls_as_the_fourth_root_of_the_parameter_count():
     assert big["training.lr"] == 1e-3  # the floor
 
 
-@pytest.mark.parametrize("n", [1, 5, 8, 20, 154, 600, 10_000])
-def test_batch_and_epochs_give_about_200_steps(n):
+@pytest.mark.parametrize(
+    ("n", "batch"), [(1, 1), (5, 5), (8, 8), (20, 8), (154, 64), (600, 256), (10_000, 256)]
+)
+def test_batch_and_epochs_give_about_200_steps(n, batch):
     b = expected_batch(n)
-    assert 1 <= b <= min(n, 256)
+    assert b == batch  # 42 % of n in multiples of 8, at least 8 (or all n), at most 256
     steps = epochs_for(n, b) * math.ceil(n / b)
     assert 200 <= steps < 200 + math.ceil(n / b)
 

@@ -61,13 +61,13 @@ _BISECTIONS = 30
 BOUND_SOURCE = (
     "Steinke, Nasr & Jagielski 2023, 'Privacy auditing with one (1) training run' "
     "(arXiv:2305.08846), Theorem 3 (approximate DP: binomial tail plus the 2 M delta term); "
-    "computed with scipy.stats.binom in dpkfc_med.privacy.audit_bounds"
+    "computed with scipy.stats.binom in dpkfc_med.privacy.audit.bounds"
 )
 FDP_BOUND_SOURCE = (
     "Mahloujifar, Melis & Chaudhuri 2025, 'Auditing f-differential privacy in one run' "
     "(arXiv:2410.22235), the recursion with abstentions, tested against the trade-off curve of "
     "the accounted Poisson-subsampled Gaussian plan (dp_accounting PLD, pessimistic) with the "
-    "plan's q and T and the noise multiplier varied; computed in dpkfc_med.privacy.audit_bounds"
+    "plan's q and T and the noise multiplier varied; computed in dpkfc_med.privacy.audit.bounds"
 )
 # Why not a library for the f-DP test: the authors' implementation ships in Meta's PrivacyGuard
 # (PyPI ``privacyguard-platform`` 0.0.x), which pulls transformers, plotly, ipywidgets and

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dpkfc_med.privacy.audit_bounds import (
+from dpkfc_med.privacy.audit.bounds import (
     BOUND_SOURCE,
     DEFAULT_CONFIDENCE,
     FDP_BOUND_SOURCE,
@@ -89,7 +89,7 @@ from dpkfc_med.privacy.audit_bounds import (
     tolerated_wrong,
     verdict_of,
 )
-from dpkfc_med.privacy.audit_power import (
+from dpkfc_med.privacy.audit.power import (
     BROKEN_NOISE_SCALE,
     NULL_DOF,
     AuditPower,

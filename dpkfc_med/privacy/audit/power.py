@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dpkfc_med.privacy.audit_bounds import (
+from dpkfc_med.privacy.audit.bounds import (
     DEFAULT_CONFIDENCE,
     GaussianPlan,
     check_guess_counts,
