@@ -1,9 +1,10 @@
 """The privacy report of a run, built from its frozen run record.
 
-A :class:`RunRecord` is what a training run hands to the report once it stops: plain data
-(dicts, lists, numbers) and the run's :class:`~dpkfc_med.privacy.accounting.PrivacyLedger`,
-in the spirit of dp_accounting's ``DpEvent``: the record says what mechanism ran, the report
-decides how to state it. Nothing here reads a config object, a task or a trainer, so the
+A :class:`RunRecord` is what a training run hands to the report once it stops: typed, frozen
+sections (:mod:`dpkfc_med.report.sections`), a snapshot of its history and of its
+:class:`~dpkfc_med.privacy.accounting.PrivacyLedger`, in the spirit of dp_accounting's
+``DpEvent``: the record says what mechanism ran, the report decides how to state it (the
+not-covered list included). Nothing here reads a config object, a task or a trainer, so the
 report cannot depend on how the run was driven (``dpkfc-med train``, a bundle, a tuning trial).
 """
 
@@ -17,8 +18,17 @@ from typing import Any
 import numpy as np
 
 from dpkfc_med.privacy.accounting import PrivacyLedger
+from dpkfc_med.report.custodian import not_covered
 from dpkfc_med.report.history import epsilon_history
 from dpkfc_med.report.numbers import format_epsilon
+from dpkfc_med.report.sections import (
+    DataSection,
+    HistorySnapshot,
+    ModelSection,
+    RunSection,
+    TaskSection,
+    TrainingSection,
+)
 from dpkfc_med.report.status import RunStatus
 from dpkfc_med.report.wording import NO_GUARANTEE, NOT_VALID, PRIVATE_PRECONDITIONER
 
@@ -70,7 +80,8 @@ class Mechanism:
     """What the private mechanism executed: the ledger and the settings that define it.
 
     Attributes:
-        ledger: Every noisy step, as accounted (the report's epsilon comes from it).
+        ledger: Every noisy step, as accounted (the report's epsilon comes from it): a
+            snapshot (:func:`~dpkfc_med.report.sections.snapshot_ledger`), not the live ledger.
         accountant: The stated accountant's name (``prv``, ``rdp``, ``gdp``).
         target_epsilon: The target the plan was calibrated to.
         planned_steps: The plan's step cap.
@@ -113,9 +124,10 @@ class RunRecord:
         task: Kind, spatial dims, classes, label names.
         data: The data record (fingerprint, source) with the unit count and unit statements.
         model: Name, parameter count, DP fixes, fine-tuning record.
-        training: Optimizer settings, schedule, weight average, epoch selection, pretraining.
+        training: Optimizer settings, schedule, recipe, weight average, epoch selection,
+            pretraining.
         history: Steps, losses, validation metric per epoch and the steps whose epsilon is
-            listed (``epsilon_step``).
+            listed (``epsilon_step``), as they were when the run stopped.
         metrics: Final ``val`` / ``test`` metrics (``None`` when not evaluated).
         diagnostics: Per-step clipping diagnostics (un-noised; custodian only).
         plan_history: Every start's and resume's plan.
@@ -130,12 +142,12 @@ class RunRecord:
     method: str
     accountant: str
     privacy_unit: str
-    run: Mapping[str, Any]
-    task: Mapping[str, Any]
-    data: Mapping[str, Any]
-    model: Mapping[str, Any]
-    training: Mapping[str, Any]
-    history: Mapping[str, Any]
+    run: RunSection
+    task: TaskSection
+    data: DataSection
+    model: ModelSection
+    training: TrainingSection
+    history: HistorySnapshot
     metrics: Mapping[str, Any]
     diagnostics: list[dict[str, Any]] = field(default_factory=list)
     plan_history: list[dict[str, Any]] = field(default_factory=list)
@@ -197,7 +209,7 @@ def _diagnostics(diag: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _history(record: RunRecord) -> dict[str, Any]:
     """The run's history, its epsilon curves rebuilt from the ledger (report.history)."""
-    history = {k: v for k, v in record.history.items() if k != "epsilon_step"}
+    history = record.history.as_dict()
     mech = record.mechanism
     if mech is None:
         return {**history, "epsilon": [], "epsilon_step": [], "epsilon_rdp": []}
@@ -205,8 +217,8 @@ def _history(record: RunRecord) -> dict[str, Any]:
 
     curves = epsilon_history(
         mech.ledger,
-        record.history["step"],
-        record.history["epsilon_step"],
+        list(record.history.step),
+        list(record.history.epsilon_step),
         Accountant(mech.accountant),
     )
     return {**history, **curves}
@@ -251,8 +263,8 @@ def _preconditioner(mech: Mechanism, warnings: list[str]) -> dict[str, Any] | No
 def _privacy(record: RunRecord) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The report's ``privacy`` section and its ``preconditioner`` section."""
     mech = record.mechanism
-    n_units = int(record.data["num_train_units"])
-    last = record.training.get("select_epoch") == "last"
+    n_units = int(record.data.num_train_units)
+    last = record.training.select_epoch == "last"
     privacy: dict[str, Any] = {
         "method": record.method,
         "private": mech is not None,
@@ -265,7 +277,7 @@ def _privacy(record: RunRecord) -> tuple[dict[str, Any], dict[str, Any] | None]:
         "expected_batch_size": None,
         "noise_multiplier": None,
         "max_grad_norm": None,
-        "steps": len(record.history["step"]),
+        "steps": len(record.history.step),
         "planned_steps": None,
         "epochs": record.epochs,
         "secure_rng": bool(record.secure_rng and mech is not None),
@@ -338,27 +350,33 @@ def _privacy(record: RunRecord) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
 
 def build_report(record: RunRecord) -> dict[str, Any]:
-    """The privacy-report dict (schema ``dpkfc_med.privacy_report/2``) of a stopped run."""
+    """The privacy-report dict (schema ``dpkfc_med.privacy_report/2``) of a stopped run.
+
+    Complete as built: ``privacy.not_covered`` lists what the stated guarantee does not cover
+    for this report (:func:`~dpkfc_med.report.custodian.not_covered`).
+    """
     from dpkfc_med.report.schema.privacy_report import REPORT_SCHEMA
 
     privacy, pre = _privacy(record)
     eps = (privacy.get("epsilon") or {}).get(privacy.get("accountant") or "prv")
-    return {
+    report = {
         "schema": REPORT_SCHEMA,
         "status": record.status.value,
         "created": _now(),
-        "run": dict(record.run),
-        "task": dict(record.task),
+        "run": record.run.as_dict(),
+        "task": record.task.as_dict(),
         "data": {
-            **record.data,
+            **record.data.as_dict(),
             "unit_note": unit_statement(record.unit_note, eps, privacy.get("delta")),
         },
-        "model": dict(record.model),
+        "model": record.model.as_dict(),
         "privacy": privacy,
         "preconditioner": pre,
-        "training": dict(record.training),
+        "training": record.training.as_dict(),
         "history": _history(record),
         "metrics": {"val": record.metrics.get("val"), "test": record.metrics.get("test")},
         "diagnostics": _diagnostics(record.diagnostics),
         "environment": dict(record.environment),
     }
+    privacy["not_covered"] = not_covered(report)
+    return report

@@ -64,13 +64,21 @@ from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.report import (
     collect_environment,
-    not_covered,
     shareable_config,
     split_report,
     write_report,
 )
 from dpkfc_med.report.custodian import PRIVATE_DIR
 from dpkfc_med.report.record import Mechanism, RunRecord, build_report
+from dpkfc_med.report.sections import (
+    DataSection,
+    HistorySnapshot,
+    ModelSection,
+    RunSection,
+    TaskSection,
+    TrainingSection,
+    snapshot_ledger,
+)
 from dpkfc_med.report.status import RunStatus
 from dpkfc_med.tasks.base import Task
 from dpkfc_med.tasks.build import build_task
@@ -488,7 +496,6 @@ def _finish(run: _Run, status: RunStatus | str, released: dict[str, Any] | None)
         released = {"val": None, "test": None, "selected_epoch": run.run_log.best.epoch}
     metrics: dict[str, Any] = released
     full = build_report(_record(run, status, metrics))
-    full["privacy"]["not_covered"] = not_covered(full)
     report, custodian = split_report(full)
     write_report(report, run.run_dir, custodian=custodian)
     write_json(
@@ -506,7 +513,7 @@ def _record(run: _Run, status: RunStatus, metrics: dict[str, Any]) -> RunRecord:
     mechanism = None
     if engine is not None and engine.ledger is not None and run.plan.privacy is not None:
         mechanism = Mechanism(
-            ledger=engine.ledger,
+            ledger=snapshot_ledger(engine.ledger),
             accountant=engine.accountant.value,
             target_epsilon=cfg.privacy.target_epsilon,
             planned_steps=int(run.plan.privacy.planned_steps),
@@ -526,64 +533,48 @@ def _record(run: _Run, status: RunStatus, metrics: dict[str, Any]) -> RunRecord:
         method=method.value,
         accountant=cfg.privacy.accountant,
         privacy_unit=task.privacy_unit,
-        run={
-            "name": cfg.name,
-            "run_dir": str(run.run_dir),
-            "config_sha256": cfg.sha256(),
-            "config": cfg.to_dict(),
-            "seed": t.seed,
-            "device": str(run.device),
-            "precision": run.precision.value,
-            **({"backends": run.backends} if run.backends else {}),
-        },
-        task={
-            "kind": task.kind,
-            "spatial_dims": task.spatial_dims,
-            "num_classes": task.num_classes,
-            "label_names": task.label_names,
-        },
-        data={
-            **task.data_record,
-            "num_train_units": len(task.train_set),  # type: ignore[arg-type]
-            "privacy_unit": task.privacy_unit,
+        run=RunSection(
+            name=cfg.name,
+            run_dir=str(run.run_dir),
+            config_sha256=cfg.sha256(),
+            config=cfg.to_dict(),
+            seed=t.seed,
+            device=str(run.device),
+            precision=run.precision.value,
+            backends=run.backends or None,
+        ),
+        task=TaskSection(task.kind, task.spatial_dims, task.num_classes, task.label_names),
+        data=DataSection(
+            record=task.data_record,
+            num_train_units=len(task.train_set),  # type: ignore[arg-type]
+            privacy_unit=task.privacy_unit,
             # a bound read off the private data (images per patient) stays with the custodian
-            "max_samples_per_unit": task.max_samples_per_unit if task.max_samples_public else None,
-        },
-        model={
-            "name": cfg.model.name,
-            "num_params": sum(p.numel() for p in run.model.parameters()),
-            "fixes": run.fixes,
-            **finetune_report(run.model),  # finetune mode, trainable / frozen counts, weights
-        },
-        training={
-            "optimizer": t.optimizer,
-            "lr": t.lr,
-            "momentum": t.momentum,
-            "weight_decay": t.weight_decay,
-            "pretraining": log_.pretrain,
-            "recipe": {"mode": t.recipe, "fields": cfg.recipe_rows},
-            "lr_schedule": t.lr_schedule,
-            "warmup_steps": t.warmup_steps,
-            "weight_average": (
-                None
-                if average is None
-                else {
-                    "decay": average.decay,
-                    "note": "exponential moving average of the released weights after each "
-                    "noisy step (post-processing); validated, selected and released",
-                }
-            ),
-            "epochs_planned": t.epochs,
-            "batch_size": t.batch_size,  # B; the expected batch is privacy's q N
-            "selected_epoch": log_.best.epoch,
-            "select_epoch": t.select_epoch,
-            "model_selection": (
-                "the last epoch (post-processing)"
-                if t.select_epoch == "last"
-                else f"best validation {task.selection_metric} over epochs"
-            ),
-        },
-        history=log_.history.as_dict(),
+            max_samples_per_unit=task.max_samples_per_unit if task.max_samples_public else None,
+        ),
+        model=ModelSection(
+            name=cfg.model.name,
+            num_params=sum(p.numel() for p in run.model.parameters()),
+            fixes=run.fixes,
+            finetune=finetune_report(run.model),  # mode, trainable / frozen counts, weights
+        ),
+        training=TrainingSection(
+            optimizer=t.optimizer,
+            lr=t.lr,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            pretraining=log_.pretrain,
+            recipe_mode=t.recipe,
+            recipe_fields=cfg.recipe_rows,
+            lr_schedule=t.lr_schedule,
+            warmup_steps=t.warmup_steps,
+            average_decay=None if average is None else average.decay,
+            epochs_planned=t.epochs,
+            batch_size=t.batch_size,
+            selected_epoch=log_.best.epoch,
+            select_epoch=t.select_epoch,
+            selection_metric=task.selection_metric,
+        ),
+        history=HistorySnapshot.of(log_.history.as_dict()),
         metrics=metrics,
         diagnostics=log_.diag,
         plan_history=stored_plans(run.run_dir),

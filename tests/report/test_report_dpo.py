@@ -253,6 +253,14 @@ def test_data_dependent_inputs_reach_the_report_from_the_run_record():
     """``task.data_record["bundle"]`` is the record's ``data["bundle"]``: it reaches the report."""
     from dpkfc_med.privacy.accounting import PrivacyLedger
     from dpkfc_med.report.record import Mechanism, RunRecord, build_report
+    from dpkfc_med.report.sections import (
+        DataSection,
+        HistorySnapshot,
+        ModelSection,
+        RunSection,
+        TaskSection,
+        TrainingSection,
+    )
 
     ledger = PrivacyLedger(1e-5)
     ledger.record(0.05, 1.2, steps=4)
@@ -274,18 +282,22 @@ def test_data_dependent_inputs_reach_the_report_from_the_run_record():
         method="dp-sgd",
         accountant="rdp",
         privacy_unit="image",
-        run={"name": "b", "config_sha256": "0" * 64, "config": {}, "seed": 0, "device": "cpu"},
-        task={"kind": "classification", "spatial_dims": 2, "num_classes": 2, "label_names": None},
-        data={
-            "splits": {"train": 100},
-            "num_train_units": 100,
-            "privacy_unit": "image",
-            "max_samples_per_unit": 1,
-            "bundle": {"name": "b", "replaced": [], "data_dependent_inputs": INPUTS},
-        },
-        model={"name": "net", "num_params": 10, "fixes": []},
-        training={"select_epoch": "last"},
-        history={"step": [1, 2, 3, 4], "epsilon_step": [4], "val_metric_name": "auroc"},
+        run=RunSection("b", "", "0" * 64, {}, seed=0, device="cpu"),
+        task=TaskSection("classification", 2, 2),
+        data=DataSection(
+            record={
+                "splits": {"train": 100},
+                "bundle": {"name": "b", "replaced": [], "data_dependent_inputs": INPUTS},
+            },
+            num_train_units=100,
+            privacy_unit="image",
+            max_samples_per_unit=1,
+        ),
+        model=ModelSection("net", 10),
+        training=TrainingSection("sgd", 0.1, select_epoch="last"),
+        history=HistorySnapshot.of(
+            {"step": [1, 2, 3, 4], "epsilon_step": [4], "val_metric_name": "auroc"}
+        ),
         metrics={},
         environment={"python": "3.11", "packages": {}, "git": None},
         mechanism=mech,
@@ -293,6 +305,7 @@ def test_data_dependent_inputs_reach_the_report_from_the_run_record():
     full = build_report(record)
     assert full["data"]["bundle"]["data_dependent_inputs"] == INPUTS
     assert any("NormalizeIntensityd subtrahend=@ds_mean" in s for s in not_covered(full))
+    assert full["privacy"]["not_covered"] == not_covered(full)  # complete as built
     # the guarantee states the accountant that planned the run, with its own epsilon
     eps = full["privacy"]["epsilon"]
     assert eps["rdp"] > eps["prv"]
