@@ -233,10 +233,9 @@ def prepare_bundle(
     from monai.bundle import ConfigParser
 
     from dpkfc_med.models import make_private_compatible, validate_private_compatible
-    from dpkfc_med.models.finetune import prepare_finetune
-    from dpkfc_med.models.pretrained import PretrainedWeightsError, same_data_problems
     from dpkfc_med.probes.presets import preset_for_modality
     from dpkfc_med.training.config import apply_overrides, config_from_dict
+    from dpkfc_med.training.setup import prepare_finetune
 
     bundle = Path(bundle_dir)
     parser = load_bundle(bundle, overrides)
@@ -298,10 +297,7 @@ def prepare_bundle(
         raise BundleConfigError(problems)
     network, fixes = make_private_compatible(network, norm=cfg.model.norm)
     # model.pretrained and training.finetune (--set), as for a run config's network
-    problems = same_data_problems(cfg.model.pretrained, task.data_record.get("sha256"))
-    if problems:
-        raise PretrainedWeightsError(problems)
-    prepare_finetune(network, cfg.model, cfg.training)
+    prepare_finetune(network, cfg, task.data_record.get("sha256"))
     validate_private_compatible(network)
     handlers, logged = user_handlers(parser, cfg.run_dir())
     accepted = check_data_dependence(parser, allow_data_dependent)

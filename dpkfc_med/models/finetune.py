@@ -58,7 +58,6 @@ __all__ = [
     "lora_supported_types",
     "output_layer_name",
     "parametrised_modules",
-    "prepare_finetune",
     "read_pretrained",
     "released_state_dict",
 ]
@@ -330,56 +329,6 @@ def apply_finetune(
             frozen,
             record.trainable_modules,
         )
-    return record
-
-
-def prepare_finetune(model: nn.Module, model_cfg: Any, training_cfg: Any) -> FinetuneRecord:
-    """Load ``model.pretrained`` (if set) and apply ``training.finetune`` from a run config.
-
-    Args:
-        model: The freshly built, DP-fixed network, modified in place.
-        model_cfg: The config's ``model`` section (``pretrained``, ``pretrained_source``,
-            ``pretrained_skip``).
-        training_cfg: The config's ``training`` section (``finetune``, ``finetune_last``,
-            ``lora_rank``, ``lora_alpha``, ``lora_targets``).
-
-    Returns:
-        The :class:`FinetuneRecord` (also kept on the model).
-    """
-    pretrained = None
-    if model_cfg.pretrained:
-        pretrained = load_pretrained(
-            model,
-            model_cfg.pretrained,
-            skip=model_cfg.pretrained_skip or (),
-            source=model_cfg.pretrained_source,
-            class_map=getattr(model_cfg, "pretrained_class_map", None),
-        )
-        log.info(
-            "model.pretrained: loaded %s (sha256 %s, source: %s)",
-            pretrained["path"],
-            pretrained["sha256"],
-            pretrained["source"],
-        )
-        if not model_cfg.pretrained_source:
-            log.warning(
-                "model.pretrained: where the weights %s come from is not stated, and the "
-                "shareable report will say so (source: not stated); state it with "
-                "--pretrained-source TEXT (bundle train) or model.pretrained_source: the "
-                "guarantee covers the private fine-tuning only, so the weights must not have "
-                "been trained on this private data",
-                pretrained["path"],
-            )
-    record = apply_finetune(
-        model,
-        training_cfg.finetune,
-        last=training_cfg.finetune_last,
-        lora_rank=training_cfg.lora_rank,
-        lora_alpha=training_cfg.lora_alpha,
-        lora_targets=training_cfg.lora_targets,
-        keep_trainable=pretrained["reinitialised"] if pretrained else (),
-    )
-    record.pretrained = pretrained
     return record
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import sys
 from typing import Any
@@ -17,8 +18,8 @@ from dpkfc_med.models import (
     make_private_compatible,
     validate_private_compatible,
 )
-from dpkfc_med.models.finetune import prepare_finetune
-from dpkfc_med.models.pretrained import PretrainedWeightsError, same_data_problems
+from dpkfc_med.models.finetune import FinetuneRecord, apply_finetune
+from dpkfc_med.models.pretrained import PretrainedWeightsError, load_pretrained, same_data_problems
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.recipe import public_facts, recipe_after_task, recipe_before_task
 from dpkfc_med.recipe.apply import recipe_lines
@@ -26,8 +27,11 @@ from dpkfc_med.tasks.base import Task
 from dpkfc_med.training.config import ConfigError, RunConfig
 from dpkfc_med.training.config_checks import value_problems
 
+log = logging.getLogger("dpkfc_med")
+
 __all__ = [
     "build_run_model",
+    "prepare_finetune",
     "make_optimizer",
     "recipe_before_task",
     "resolve_recipe",
@@ -71,13 +75,72 @@ def build_run_model(
     model, fixes = make_private_compatible(model, norm=cfg.model.norm)
     if finetune:  # model.pretrained and training.finetune, before any privacy wrapper
         record = getattr(task, "data_record", None) or {}
-        problems = same_data_problems(cfg.model.pretrained, record.get("sha256"))
-        if problems:
-            raise PretrainedWeightsError(problems)
-        prepare_finetune(model, cfg.model, cfg.training)
+        prepare_finetune(model, cfg, record.get("sha256"))
     validate_private_compatible(model)
     check_input_size(model, (task.in_channels, *task.spatial_shape))
     return model, [dataclasses.asdict(f) for f in fixes]
+
+
+def prepare_finetune(
+    model: nn.Module, cfg: Any, data_sha256: dict[str, str] | None
+) -> FinetuneRecord:
+    """Load ``model.pretrained`` (if set) and apply ``training.finetune`` from a run config.
+
+    Weights whose own run record shows they were trained on this private data (the same data
+    fingerprint) are refused first.
+
+    Args:
+        model: The freshly built, DP-fixed network, modified in place.
+        cfg: The run config (``model.pretrained``, ``pretrained_source``, ``pretrained_skip``,
+            ``pretrained_class_map``; ``training.finetune``, ``finetune_last``, ``lora_*``).
+        data_sha256: The private training data's fingerprint (the data record's ``sha256``,
+            name -> SHA-256; ``None``: not known).
+
+    Returns:
+        The :class:`~dpkfc_med.models.finetune.FinetuneRecord` (also kept beside the model).
+
+    Raises:
+        PretrainedWeightsError: weights trained on this data, or weights that do not fit.
+    """
+    model_cfg, t = cfg.model, cfg.training
+    problems = same_data_problems(model_cfg.pretrained, data_sha256)
+    if problems:
+        raise PretrainedWeightsError(problems)
+    pretrained = None
+    if model_cfg.pretrained:
+        pretrained = load_pretrained(
+            model,
+            model_cfg.pretrained,
+            skip=model_cfg.pretrained_skip or (),
+            source=model_cfg.pretrained_source,
+            class_map=getattr(model_cfg, "pretrained_class_map", None),
+        )
+        log.info(
+            "model.pretrained: loaded %s (sha256 %s, source: %s)",
+            pretrained["path"],
+            pretrained["sha256"],
+            pretrained["source"],
+        )
+        if not model_cfg.pretrained_source:
+            log.warning(
+                "model.pretrained: where the weights %s come from is not stated, and the "
+                "shareable report will say so (source: not stated); state it with "
+                "--pretrained-source TEXT (bundle train) or model.pretrained_source: the "
+                "guarantee covers the private fine-tuning only, so the weights must not have "
+                "been trained on this private data",
+                pretrained["path"],
+            )
+    record = apply_finetune(
+        model,
+        t.finetune,
+        last=t.finetune_last,
+        lora_rank=t.lora_rank,
+        lora_alpha=t.lora_alpha,
+        lora_targets=t.lora_targets,
+        keep_trainable=pretrained["reinitialised"] if pretrained else (),
+    )
+    record.pretrained = pretrained
+    return record
 
 
 def make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
