@@ -12,7 +12,8 @@ Arms, one protocol for all (the same data, split, epsilon, evaluation):
 
 Workloads: ``zoo_bundle_3d`` (``dpkfc_bench/bundles/hippocampus_zoo_style``, a bundle written
 the Model Zoo way: UNet with BatchNorm, Adam 3e-3, batch 8), and the shipped
-configs ``pneumonia_cnn``, ``hippocampus_3d``, ``hippocampus_2d``, ``adrenal_cnn``. Each run
+configs ``pneumonia_cnn``, ``hippocampus_3d``, ``hippocampus_2d``, ``hippocampus_2ch`` (two
+input channels) and ``adrenal_resnet`` (AdrenalMNIST3D, ResNet-10). Each run
 goes through the CLI; its test metric is read from the custodian's ``metrics.json`` (test
 patients no run selected on). Results: ``dpkfc_bench/results/recipe.{json,md,png}``; an
 interrupted study resumes with the runs it lacks.
@@ -35,6 +36,7 @@ from dpkfc_bench.harness import (
     ROOT,
     environment,
     floats,
+    fmt_mean_std,
     ints,
     load_results,
     pending,
@@ -50,6 +52,8 @@ CONFIGS = {
     "pneumonia_cnn": ("pneumoniamnist_cnn_2d_eps1.yaml", "test", "auroc"),
     "hippocampus_3d": ("hippocampus_unet_3d_eps8.yaml", "test", "mean_dice"),
     "hippocampus_2d": ("hippocampus_unet_2d_eps8.yaml", "test", "mean_dice"),
+    "hippocampus_2ch": ("hippocampus_2ch_unet_3d_eps8.yaml", "test", "mean_dice"),
+    "adrenal_resnet": ("adrenalmnist3d_resnet_3d_eps8.yaml", "test", "auroc"),
 }
 WORKLOADS = ("zoo_bundle_3d", *CONFIGS)
 ARMS = ("own", "auto")
@@ -139,7 +143,7 @@ def render(data: dict[str, Any]) -> str:
         cells = []
         for arm in ARMS:
             vals = arms.get(arm, [])
-            cells.append("-" if not vals else f"{sum(vals) / len(vals):.3f} (n={len(vals)})")
+            cells.append("-" if not vals else f"{fmt_mean_std(vals)} (n={len(vals)})")
         metric = next(r["metric"] for r in runs if r["workload"] == w)
         rows.append([w, f"{eps:g}", metric, *cells])
     lines = [
@@ -173,6 +177,39 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(data: dict[str, Any], path: Path) -> None:
+    """One panel per epsilon: each workload's test metric per arm, every seed as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in data["runs"] if r.get("value") is not None]
+    epsilons = sorted({float(r["epsilon"]) for r in runs})
+    if not epsilons:
+        return
+    fig, axes = plt.subplots(1, len(epsilons), figsize=(5 * len(epsilons), 3.6), squeeze=False)
+    for ax, eps in zip(axes[0], epsilons):
+        here = [r for r in runs if float(r["epsilon"]) == eps]
+        workloads = sorted({r["workload"] for r in here})
+        for j, arm in enumerate(ARMS):
+            for i, w in enumerate(workloads):
+                vals = [r["value"] for r in here if r["workload"] == w and r["arm"] == arm]
+                x = i + (j - 0.5) * 0.3
+                if vals:
+                    ax.bar(x, sum(vals) / len(vals), 0.28, color=f"C{j}", alpha=0.6,
+                           label=arm if i == 0 else None)  # fmt: skip
+                    ax.plot([x] * len(vals), vals, "k.", ms=4)
+        ax.set_xticks(range(len(workloads)), workloads, rotation=25, ha="right", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"epsilon {eps:g}")
+        ax.set_ylabel("test metric (Dice or AUROC)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dpkfc_bench recipe", description=__doc__)
     ap.add_argument("--workloads", default="zoo_bundle_3d,pneumonia_cnn")
@@ -198,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  -> {result.get('value', result.get('error', '')[-300:])}", flush=True)
         record(path, data, result)
     save_results(path, data)
+    plot(data, OUT.with_suffix(".png"))
     OUT.with_suffix(".md").write_text(render(data), encoding="utf-8")
     print(f"wrote {OUT.with_suffix('.md')}")
 

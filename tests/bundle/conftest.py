@@ -63,6 +63,15 @@ CONFIGS = {
 """The run config each pipeline bundle in ``pipelines/`` is the Model Zoo form of."""
 
 
+def bundle_train(bundle: Path, out: Path, overrides: list[str], *extra: str) -> None:
+    """``dpkfc-med bundle train BUNDLE --epsilon 8 --recipe bundle`` with bundle overrides."""
+    from dpkfc_med.cli import main
+
+    args = ["bundle", "train", str(bundle), "--epsilon", "8", "--recipe", "bundle"]
+    args += ["--out", str(out), *[a for o in overrides for a in ("--override", o)]]
+    assert main([*args, *extra, "--set", "training.progress=false"]) == 0
+
+
 def config_train(config: Path, overrides: list[str], out: Path) -> None:
     """``dpkfc-med train CONFIG --set ... --out OUT`` (a run to export)."""
     from dpkfc_med.cli import main

@@ -17,6 +17,7 @@ import torch
 
 from dpkfc_med.cli import main
 from dpkfc_med.data import resolve_data_path
+from tests.bundle.conftest import bundle_train
 
 BUNDLE = Path(__file__).parent / "zoo_bundle"
 C = 0.5
@@ -48,20 +49,7 @@ def test_bundle_trains_privately_to_its_target_with_the_yaml_mechanism(
     from dpkfc_med.training.opening import plan_privacy
 
     out = tmp_path / "run"
-    args = [
-        "bundle",
-        "train",
-        str(bundle),
-        "--epsilon",
-        "8",
-        "--recipe",
-        "bundle",
-        "--out",
-        str(out),
-    ]
-    for o in _overrides(data_dir, epochs=1):
-        args += ["--override", o]
-    assert main([*args, "--set", "training.progress=false"]) == 0
+    bundle_train(bundle, out, _overrides(data_dir, epochs=1))
     report = json.loads((out / "privacy_report.json").read_text(encoding="utf-8"))
     p = report["privacy"]
     assert report["status"] == "complete"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dpkfc_med.cli import main
-from tests.bundle.conftest import SEG_TINY
+from tests.bundle.conftest import SEG_TINY, bundle_train
 from tests.conftest import SHARED_DATA
 from tests.training.test_segmentation import _sets
 
@@ -145,19 +145,7 @@ def bundle_run(tmp_path_factory) -> Path:
     shutil.copytree(BUNDLE, bundle)
     out = tmp / "run"
     overrides = [f"dataset_dir={HIPPO}", "num_train=4", "train#trainer#max_epochs=1"]
-    args = [
-        "bundle",
-        "train",
-        str(bundle),
-        "--epsilon",
-        "8",
-        "--recipe",
-        "bundle",
-        "--out",
-        str(out),
-    ]
-    args += [a for o in overrides for a in ("--override", o)]
-    assert main([*args, "--set", "training.progress=false"]) == 0
+    bundle_train(bundle, out, overrides)
     return out
 
 

@@ -1,0 +1,43 @@
+"""dpkfc_bench.recipe: the arms' configs, the summary table and the plot (no training runs)."""
+
+from __future__ import annotations
+
+import statistics
+
+import yaml
+
+from dpkfc_bench import recipe as bench
+from dpkfc_med.recipe import RECIPE_FIELDS
+
+
+def _run(workload, arm, seed, value, eps=8.0):
+    return {"workload": workload, "arm": arm, "epsilon": eps, "seed": seed, "value": value,
+            "metric": "auroc", "minutes": 1.0}  # fmt: skip
+
+
+def test_the_auto_arm_keeps_the_task_and_drops_every_recipe_field(tmp_path):
+    cmd = bench._command(
+        {"workload": "adrenal_resnet", "arm": "auto", "epsilon": 3.0, "seed": 2},
+        tmp_path / "run",
+        tmp_path,
+    )
+    cfg = yaml.safe_load((tmp_path / "adrenal_resnet_auto.yaml").read_text(encoding="utf-8"))
+    assert cfg["training"]["recipe"] == "auto" and cfg["privacy"]["target_epsilon"] == 3.0
+    assert cfg["data"]["path"] == "adrenalmnist3d" and cfg["model"]["name"] == "resnet10"
+    for field in RECIPE_FIELDS:
+        node = cfg
+        for part in field.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        assert node is None, field
+    assert "training.seed=2" in cmd
+
+
+def test_the_table_gives_mean_and_sd_over_seeds_per_arm_and_the_plot_is_written(tmp_path):
+    runs = [_run("w", "own", s, v) for s, v in enumerate((0.80, 0.84, 0.82))]
+    runs += [_run("w", "auto", s, v) for s, v in enumerate((0.90, 0.86))]
+    text = bench.render({"runs": runs})
+    row = next(line for line in text.splitlines() if line.startswith("| w | 8 |"))
+    sd = statistics.stdev([0.80, 0.84, 0.82])
+    assert f"0.820 +- {sd:.3f} (n=3)" in row and "0.880 +- 0.028 (n=2)" in row
+    bench.plot({"runs": runs}, tmp_path / "recipe.png")
+    assert (tmp_path / "recipe.png").read_bytes()[:4] == b"\x89PNG"
