@@ -200,6 +200,7 @@ def test_monai_bundle_run_with_the_private_overlay(bundle, data_dir, tmp_path):
             "dpkfc_med#set": [
                 "training.progress=false",
                 "training.eval_every=5",
+                "training.epochs=2",  # recipe: auto would plan 200 noisy steps
                 "pretrain.steps=2",
                 "pretrain.batch_size=2",
                 "pretrain.cache_dir=null",
