@@ -28,6 +28,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "dpkfc_bench.recipe",
         "recipe: auto against a workload's own settings and the shipped recipe",
     ),
+    "slices-2d": (
+        "dpkfc_bench.slices_2d",
+        "2D segmentation on slices: one lever at a time on the shipped 2D config",
+    ),
     "cost": ("dpkfc_bench.cost", "step time, peak memory and refresh share against Opacus"),
     "bundle-cost": (
         "dpkfc_bench.bundle_cost",
