@@ -47,6 +47,7 @@ LEVERS: dict[str, tuple[list[str], str]] = {
     "cos": (["training.lr_schedule=cosine"], "cosine lr schedule"),
     "nopre": (["pretrain.steps=0"], "no data-free pretraining"),
     "pre4k": (["pretrain.steps=4000", "pretrain.batch_size=32"], "16x the pretraining"),
+    "pre_b160": (["pretrain.batch_size=160"], "pretraining batch 160 (the 3D batch's voxels)"),
 }
 
 
