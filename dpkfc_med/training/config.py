@@ -12,7 +12,6 @@ collected and reported together, each naming the dotted field and the fix::
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.errors import ConfigError
 from dpkfc_med.methods import Method
 from dpkfc_med.training.config_build import build_dataclass, leaf_paths
-from dpkfc_med.training.config_checks import attribute_overrides, value_problems
+from dpkfc_med.training.config_checks import attribute_overrides, settings, value_problems
 
 __all__ = [
     "ConfigError",
@@ -463,8 +462,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-serialisable) of the settings."""
-        internal = [f.name for f in dataclasses.fields(self) if f.metadata.get("internal")]
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in internal}
+        return settings(self)
 
     def sha256(self) -> str:
         """Hash of the canonical JSON form (recorded in the privacy report)."""

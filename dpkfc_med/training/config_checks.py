@@ -290,9 +290,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """Fields whose values differ between two configs (``to_dict()``), as ``(path, old, new)``."""
-    a, b = flatten(before), flatten(after)
+def settings(cfg: Any) -> dict[str, Any]:
+    """A run config's settings as a plain nested dict: its fields but the internal ones."""
+    internal = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("internal")}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in internal}
+
+
+def config_changes(before: Any, after: Any) -> list[tuple[str, Any, Any]]:
+    """Fields whose values differ between two run configs, as ``(path, old, new)``."""
+    a, b = flatten(settings(before)), flatten(settings(after))
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

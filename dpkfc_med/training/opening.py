@@ -42,7 +42,7 @@ from dpkfc_med.report.render import plural
 from dpkfc_med.report.status import RunStatus
 from dpkfc_med.tasks.base import Task
 from dpkfc_med.training.config import ConfigError, RunConfig, config_from_dict
-from dpkfc_med.training.config_checks import config_changes
+from dpkfc_med.training.config_checks import config_changes, settings
 from dpkfc_med.training.run_folder import (
     CHECKPOINT,
     CONFIG_HISTORY,
@@ -260,7 +260,7 @@ def open_run(
         original = config_from_dict(
             yaml.safe_load(original_path.read_text(encoding="utf-8")), str(original_path)
         )
-        changes = tuple(config_changes(original.to_dict(), cfg.to_dict()))
+        changes = tuple(config_changes(original, cfg))
         _check_same_data(changes, task, run_dir)
     replan = resume_replans(changes, str(run_dir))
     _announce_changes(changes, run_dir)
@@ -476,7 +476,7 @@ def start_run_files(cfg: RunConfig, task: Task, run_dir: Path, plan: RunPlan) ->
     write_json(
         run_json, {"status": RunStatus.INCOMPLETE.value, "started": started, "name": cfg.name}
     )
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    text = yaml.safe_dump(settings(cfg), sort_keys=False)
     # the configuration the run now follows (every start's and resume's is kept in the config
     # history); `train --resume --out DIR` continues from it
     atomic_write_bytes(run_dir / "config.yaml", text.encode())

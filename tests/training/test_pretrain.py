@@ -211,7 +211,7 @@ def test_resume_may_move_the_pretraining_cache_but_not_change_pretraining():
 
     original = load_config(CONFIG, TINY)
     moved = load_config(CONFIG, TINY + ["pretrain.cache_dir=/tmp/elsewhere"])
-    assert resume_replans(config_changes(original.to_dict(), moved.to_dict()), "run") is False
+    assert resume_replans(config_changes(original, moved), "run") is False
     changed = load_config(CONFIG, TINY + ["pretrain.steps=4"])
     with pytest.raises(ConfigError, match=r"pretrain.steps: 3 -> 4"):
-        resume_replans(config_changes(original.to_dict(), changed.to_dict()), "run")
+        resume_replans(config_changes(original, changed), "run")
