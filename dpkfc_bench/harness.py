@@ -178,8 +178,16 @@ def pending(
 
 
 def record(path: Path, data: dict[str, Any], run: dict[str, Any]) -> None:
-    """Append one finished run to ``data["runs"]`` and save the result file."""
-    data["runs"].append(run)
+    """Append one finished run to ``data["runs"]`` and save the result file.
+
+    Runs another process recorded in the file meanwhile (two invocations of one study on
+    different workloads) are kept: the file's runs are read again, ``run`` is appended to them
+    and ``data["runs"]`` becomes that list.
+    """
+    on_disk = load_results(path)["runs"] if path.is_file() else []
+    known = {json.dumps(r, sort_keys=True, default=str) for r in on_disk}
+    mine = [r for r in data["runs"] if json.dumps(r, sort_keys=True, default=str) not in known]
+    data["runs"] = [*on_disk, *mine, run]
     save_results(path, data)
 
 

@@ -41,3 +41,20 @@ def test_the_table_gives_mean_and_sd_over_seeds_per_arm_and_the_plot_is_written(
     assert f"0.820 +- {sd:.3f} (n=3)" in row and "0.880 +- 0.028 (n=2)" in row
     bench.plot({"runs": runs}, tmp_path / "recipe.png")
     assert (tmp_path / "recipe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_invocations_writing_one_result_file_keep_each_others_runs(tmp_path):
+    from dpkfc_bench.harness import load_results, record
+
+    path = tmp_path / "recipe.json"
+    first, second = {"runs": []}, {"runs": []}  # each invocation's own view of the file
+    record(path, first, _run("a", "own", 0, 0.5))
+    record(path, second, _run("b", "own", 0, 0.6))
+    record(path, first, _run("a", "auto", 0, 0.7))
+    on_disk = load_results(path)["runs"]
+    assert [(r["workload"], r["arm"]) for r in on_disk] == [
+        ("a", "own"),
+        ("b", "own"),
+        ("a", "auto"),
+    ]
+    assert first["runs"] == on_disk
