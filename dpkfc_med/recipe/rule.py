@@ -13,9 +13,12 @@ labels and headers get the same recipe.
   of one step grows with the square root of the parameter count, and the tuned lrs of the
   larger networks (DenseNet121 0.02, ResNet-10 0.05) sit on either side of that line.
 - **Data-free pretraining** (segmentation from scratch): 1000 Adam steps on synthetic shapes
-  (no data, no privacy cost); off when public weights are given.
-- **Crops per unit**: two crops of each drawn patient for 3D volumes, eight slices for 2D
-  slices of volumes, summed before clipping (the sensitivity stays C).
+  (no data, no privacy cost), each step on about as many synthetic voxels as 8 volumes of
+  32x48x32 (the tuned 3D recipe): 8 samples for 3D patches, about 150 for 2D slices of 44x56;
+  off when public weights are given. On 2D slices it is the largest lever measured (without it
+  test Dice falls from 0.52 to 0.31; with the larger batch it rises to 0.55).
+- **Crops per unit**: two crops of each drawn patient for 3D volumes, every slice for 2D slices
+  of volumes (0.58 against 0.52 with eight), summed before clipping (the sensitivity stays C).
 - **Method and preconditioner.** DP-KFC, except DP-SGD at epsilon <= 1 without public
   weights, where whitening paid less than it cost (hippocampus 0.332 vs 0.409 at epsilon 1,
   DenseNet121 -15 % of the gap). Two-class classification whitens the A factor only (A+G
@@ -40,6 +43,7 @@ TARGET_STEPS = 200  # noisy steps of a run
 BATCH_SHARE = 0.42  # expected batch as a share of the training units
 SEG_REFERENCE = (0.01, 30_000)  # Adam lr for a 30k-parameter UNet
 CLS_REFERENCE = (0.2, 26_000)  # SGD lr for a 26k-parameter CNN
+PRETRAIN_VOXELS = 8 * 32 * 48 * 32  # synthetic voxels per pretraining step (tuned 3D recipe)
 
 # every field the rule may choose, in the order the report lists them
 RECIPE_FIELDS = (
@@ -78,6 +82,15 @@ class Choice:
 def expected_batch(n_units: int) -> int:
     """Expected units per step: 42 % of the units in multiples of 8, within 8..256 and N."""
     return min(n_units, max(8, min(256, 8 * round(BATCH_SHARE * n_units / 8))))
+
+
+def pretrain_batch(patch_voxels: int) -> int:
+    """Synthetic samples per pretraining step: about :data:`PRETRAIN_VOXELS` voxels in all.
+
+    Multiples of 8 between 8 and 256 (rounded down, so a 3D patch of the tuned recipe's size or
+    larger keeps 8).
+    """
+    return min(256, max(8, 8 * (PRETRAIN_VOXELS // max(1, patch_voxels) // 8)))
 
 
 def epochs_for(n_units: int, batch: int, steps: int = TARGET_STEPS) -> int:
@@ -125,7 +138,8 @@ def choose(f: PublicFacts) -> list[Choice]:
         add("training.finetune", "full", "public weights: every layer fine-tuned")
     if seg and not f.bundle:
         if f.from_volumes:
-            add("data.slices.per_unit", 8, "eight slices per drawn patient, summed before clipping")
+            add("data.slices.per_unit", None,
+                "every slice of a drawn patient, summed before clipping")  # fmt: skip
         elif f.spatial_dims == 3:
             add("data.patches_per_unit", 2, "two crops per drawn patient, summed before clipping")
     pretrain = seg and not f.public_weights
@@ -134,7 +148,8 @@ def choose(f: PublicFacts) -> list[Choice]:
         else "public weights given" if f.public_weights
         else "synthetic-shape pretraining exists for segmentation only")  # fmt: skip
     if pretrain:
-        add("pretrain.batch_size", 8, "synthetic volumes per pretraining step")
+        add("pretrain.batch_size", pretrain_batch(f.patch_voxels),
+            "about as many synthetic voxels per step as 8 volumes of 32x48x32")  # fmt: skip
         add("pretrain.lr", 0.003, "Adam lr of pretraining")
     if dp_sgd:
         return out

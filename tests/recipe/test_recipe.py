@@ -45,6 +45,19 @@ def test_hippocampus_gets_the_tuned_recipe_with_about_200_steps():
     assert got["preconditioner.scaling"] == "per_layer_raw"
 
 
+def test_slices_of_volumes_get_every_slice_and_pretraining_on_as_many_voxels_as_in_3d():
+    slices = PublicFacts(**{**HIPPO.to_dict(), "spatial_dims": 2, "from_volumes": True,
+                            "patch_voxels": 44 * 56, "n_params": 9_791})  # fmt: skip
+    got = _by_field(slices)
+    assert got["data.slices.per_unit"] is None and "data.patches_per_unit" not in got
+    # 8 volumes of 32x48x32 hold 393,216 voxels: 159.6 slices of 44x56, 152 in multiples of 8
+    assert got["pretrain.batch_size"] == 152 and got["pretrain.steps"] == 1000
+    assert 152 * 44 * 56 <= 8 * 32 * 48 * 32 < 160 * 44 * 56
+    assert _by_field(HIPPO)["pretrain.batch_size"] == 8  # the tuned 3D recipe's own batch
+    big = PublicFacts(**{**HIPPO.to_dict(), "patch_voxels": 96**3})
+    assert _by_field(big)["pretrain.batch_size"] == 8  # never below 8
+
+
 def test_binary_classification_at_epsilon_1_gets_dp_sgd_and_no_pretraining():
     got = _by_field(PNEUMONIA)
     assert got["method"] == "dp-sgd"
