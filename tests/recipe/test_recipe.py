@@ -45,11 +45,16 @@ def test_hippocampus_gets_the_tuned_recipe_with_about_200_steps():
     assert got["preconditioner.scaling"] == "per_layer_raw"
 
 
-def test_slices_of_volumes_get_every_slice_and_pretraining_on_as_many_voxels_as_in_3d():
+def test_slices_of_volumes_get_the_voxels_of_3d_crops_per_unit_and_in_pretraining():
     slices = PublicFacts(**{**HIPPO.to_dict(), "spatial_dims": 2, "from_volumes": True,
                             "patch_voxels": 44 * 56, "n_params": 9_791})  # fmt: skip
     got = _by_field(slices)
-    assert got["data.slices.per_unit"] is None and "data.patches_per_unit" not in got
+    # two crops of 32x48x32 hold 98,304 voxels: 39.9 slices of 44x56
+    assert got["data.slices.per_unit"] == 40 and "data.patches_per_unit" not in got
+    ct = PublicFacts(**{**slices.to_dict(), "patch_voxels": 512 * 512})
+    assert _by_field(ct)["data.slices.per_unit"] == 8  # never below 8: the cost stays bounded
+    tiny = PublicFacts(**{**slices.to_dict(), "patch_voxels": 16 * 16})
+    assert _by_field(tiny)["data.slices.per_unit"] == 64
     # 8 volumes of 32x48x32 hold 393,216 voxels: 159.6 slices of 44x56, 152 in multiples of 8
     assert got["pretrain.batch_size"] == 152 and got["pretrain.steps"] == 1000
     assert 152 * 44 * 56 <= 8 * 32 * 48 * 32 < 160 * 44 * 56
