@@ -48,6 +48,10 @@ LEVERS: dict[str, tuple[list[str], str]] = {
     "nopre": (["pretrain.steps=0"], "no data-free pretraining"),
     "pre4k": (["pretrain.steps=4000", "pretrain.batch_size=32"], "16x the pretraining"),
     "pre_b160": (["pretrain.batch_size=160"], "pretraining batch 160 (the 3D batch's voxels)"),
+    "all_pre160": (
+        ["data.slices.per_unit=null", "pretrain.batch_size=160"],
+        "every slice and pretraining batch 160",
+    ),
 }
 
 
