@@ -114,11 +114,11 @@ class DataSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """The network: name, size, the fixes made for DP, and how it was fine-tuned."""
+    """The network: name, size, the DP fixes (one record each) and how it was fine-tuned."""
 
     name: str
     num_params: int
-    fixes: Sequence[Any] = ()
+    fixes: Sequence[Mapping[str, Any]] = ()
     finetune: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class ModelSection:
         return {
             "name": self.name,
             "num_params": self.num_params,
-            "fixes": list(self.fixes),
+            "fixes": [dict(f) for f in self.fixes],
             **self.finetune,
         }
 

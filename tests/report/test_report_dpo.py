@@ -252,55 +252,20 @@ def test_inputs_computed_from_private_data_make_the_release_valid_for_the_mechan
 def test_data_dependent_inputs_reach_the_report_from_the_run_record():
     """``task.data_record["bundle"]`` is the record's ``data["bundle"]``: it reaches the report."""
     from dpkfc_med.privacy.accounting import PrivacyLedger
-    from dpkfc_med.report.record import Mechanism, RunRecord, build_report
-    from dpkfc_med.report.sections import (
-        DataSection,
-        HistorySnapshot,
-        ModelSection,
-        RunSection,
-        TaskSection,
-        TrainingSection,
-    )
+    from dpkfc_med.report.record import build_report
+    from tests.report.test_report_sections import make_record
 
     ledger = PrivacyLedger(1e-5)
     ledger.record(0.05, 1.2, steps=4)
     ledger.meta["expected_batch_size"] = 5
-    mech = Mechanism(
-        ledger=ledger,
+    bundle = {"name": "b", "replaced": [], "data_dependent_inputs": INPUTS}
+    history = {"step": [1, 2, 3, 4], "epsilon_step": [4], "val_metric_name": "auroc"}
+    record = make_record(
+        ledger,
+        history,
         accountant="rdp",
-        target_epsilon=8.0,
-        planned_steps=4,
-        sample_rate=0.05,
-        noise_multiplier=1.2,
-        max_grad_norm=1.0,
-        randomness="os-entropy",
-        batch_size=5,
-        seed=0,
-    )
-    record = RunRecord(
-        status="complete",
-        method="dp-sgd",
-        accountant="rdp",
-        privacy_unit="image",
-        run=RunSection("b", "", "0" * 64, {}, seed=0, device="cpu"),
-        task=TaskSection("classification", 2, 2),
-        data=DataSection(
-            record={
-                "splits": {"train": 100},
-                "bundle": {"name": "b", "replaced": [], "data_dependent_inputs": INPUTS},
-            },
-            num_train_units=100,
-            privacy_unit="image",
-            max_samples_per_unit=1,
-        ),
-        model=ModelSection("net", 10),
-        training=TrainingSection("sgd", 0.1, select_epoch="last"),
-        history=HistorySnapshot.of(
-            {"step": [1, 2, 3, 4], "epsilon_step": [4], "val_metric_name": "auroc"}
-        ),
-        metrics={},
-        environment={"python": "3.11", "packages": {}, "git": None},
-        mechanism=mech,
+        data={"splits": {"train": 100}, "bundle": bundle},
+        select_epoch="last",
     )
     full = build_report(record)
     assert full["data"]["bundle"]["data_dependent_inputs"] == INPUTS

@@ -19,11 +19,21 @@ from dpkfc_med.report.sections import (
     snapshot_ledger,
 )
 
+FIX = {"path": "norm1", "before": "BatchNorm2d(8)", "after": "GroupNorm(4, 8)"}
 
-def _record(ledger: PrivacyLedger, history: dict, **training) -> RunRecord:
+
+def make_record(
+    ledger: PrivacyLedger,
+    history: dict,
+    *,
+    accountant: str = "prv",
+    data: dict | None = None,
+    **training,
+) -> RunRecord:
+    """A DP-SGD run's record over 100 images, its ledger a snapshot of ``ledger``."""
     mech = Mechanism(
         ledger=snapshot_ledger(ledger),
-        accountant="prv",
+        accountant=accountant,
         target_epsilon=8.0,
         planned_steps=10,
         sample_rate=0.1,
@@ -36,15 +46,16 @@ def _record(ledger: PrivacyLedger, history: dict, **training) -> RunRecord:
     return RunRecord(
         status="complete",
         method="dp-sgd",
-        accountant="prv",
+        accountant=accountant,
         privacy_unit="image",
         run=RunSection("r", "/runs/r", "0" * 64, {"name": "r"}, seed=0, device="cpu"),
         task=TaskSection("classification", 2, 2, ("normal", "pneumonia")),
-        data=DataSection({"sha256": "ab"}, num_train_units=100, privacy_unit="image"),
-        model=ModelSection("cnn", 1234, fixes=["BatchNorm -> GroupNorm"]),
+        data=DataSection(data or {"sha256": "ab"}, num_train_units=100, privacy_unit="image"),
+        model=ModelSection("cnn", 1234, fixes=[FIX]),
         training=TrainingSection("sgd", 0.1, **training),
         history=HistorySnapshot.of(history),
         metrics={},
+        environment={"python": "3.11", "packages": {}, "git": None},
         mechanism=mech,
     )
 
@@ -54,7 +65,7 @@ def test_the_record_is_a_snapshot_of_history_and_ledger():
     live = PrivacyLedger(1e-5)
     live.record(0.1, 1.0, steps=4)
     history = {"step": [1, 2, 3, 4], "epsilon_step": [4], "loss": [1.0, 0.9, 0.8, 0.7]}
-    record = _record(live, history)
+    record = make_record(live, history)
     before = build_report(record)
     live.record(0.1, 1.0, steps=6)  # the live run goes on
     history["step"].append(5)
@@ -71,7 +82,7 @@ def test_the_record_is_a_snapshot_of_history_and_ledger():
 
 
 def test_sections_are_frozen():
-    record = _record(PrivacyLedger(1e-5), {"step": []})
+    record = make_record(PrivacyLedger(1e-5), {"step": []})
     with pytest.raises(dataclasses.FrozenInstanceError):
         record.training.lr = 1.0  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -98,7 +109,7 @@ def test_the_report_sections_are_the_record_sections():
     own fields beside the unit count; the not-covered list is there as built."""
     live = PrivacyLedger(1e-5)
     live.record(0.1, 1.0, steps=2)
-    record = _record(live, {"step": [1, 2], "epsilon_step": [2]}, recipe_mode="auto")
+    record = make_record(live, {"step": [1, 2], "epsilon_step": [2]}, recipe_mode="auto")
     report = build_report(record)
     assert report["run"] == {
         "name": "r",
@@ -111,7 +122,7 @@ def test_the_report_sections_are_the_record_sections():
     }
     assert report["task"]["label_names"] == ["normal", "pneumonia"]
     assert report["data"]["sha256"] == "ab" and report["data"]["num_train_units"] == 100
-    assert report["model"]["fixes"] == ["BatchNorm -> GroupNorm"]
+    assert report["model"]["fixes"] == [FIX]
     assert report["training"]["recipe"] == {"mode": "auto", "fields": []}
     assert isinstance(report["privacy"]["not_covered"], list)
     assert report["privacy"]["not_covered"]  # a run config's tuning is never covered
