@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from torch import nn
@@ -109,7 +110,8 @@ def recipe_before_task(cfg: RunConfig) -> RunConfig:
     facts = PublicFacts(
         epsilon=cfg.privacy.target_epsilon, n_units=1, kind=d.task,
         spatial_dims=2 if d.slices.axis is not None else (dims or 0),
-        from_volumes=d.slices.axis is not None, patch_voxels=1, in_channels=1, num_classes=2,
+        from_volumes=d.slices.axis is not None,
+        patch_voxels=math.prod(d.patch_size) if d.patch_size else 1, in_channels=1, num_classes=2,
         n_params=1, public_weights=cfg.model.pretrained is not None,
         bundle=cfg.model.name.startswith("bundle:"),
     )  # fmt: skip

@@ -91,11 +91,14 @@ def build_dataclass(cls: type, data: Any, prefix: str, problems: list[str]) -> A
 
 
 def leaf_paths(data: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dotted paths of every value a nested mapping sets (``training.lr``, ...)."""
+    """Dotted paths of every value a nested mapping sets (``training.lr``, ...).
+
+    An empty section (``pretrain: {}``) sets nothing; a null one (``slices: null``) is a value.
+    """
     out: list[str] = []
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
+        if isinstance(value, Mapping):
             out.extend(leaf_paths(value, path + "."))
         else:
             out.append(path)

@@ -200,3 +200,21 @@ def test_a_bundle_gets_the_rule_unless_it_or_you_ask_for_its_own():
     assert pipeline.cfg.training.recipe == "manual" and pipeline.cfg.training.epochs == 40
     assert prepare_bundle(root / "pipelines" / "segmentation_3d", epsilon=8,
                           recipe="auto").cfg.training.recipe == "auto"  # fmt: skip
+
+
+def test_a_2d_slices_config_gets_the_patch_size_rule_and_an_empty_section_sets_nothing():
+    """The slices per patient come from the configured in-plane patch before the task is built,
+    and ``pretrain: {}`` (a section emptied of its recipe fields) leaves pretraining to the rule."""
+    from dpkfc_med.recipe import recipe_before_task
+    from dpkfc_med.training.config_build import leaf_paths
+
+    assert leaf_paths({"pretrain": {}, "data": {"slices": None, "x": {"y": 1}}}) == [
+        "data.slices", "data.x.y"]  # fmt: skip
+    cfg = config_from_dict({
+        "name": "s", "method": "dp-kfc", "pretrain": {},
+        "data": {"task": "segmentation", "path": "msd_hippocampus", "num_classes": 3,
+                 "patch_size": [44, 56], "spacing": [1.0, 1.0], "slices": {"axis": 2}},
+        "model": {"name": "unet"}, "training": {"recipe": "auto"},
+    })  # fmt: skip
+    assert "pretrain.steps" not in cfg.set_by_user and "pretrain" not in cfg.set_by_user
+    assert recipe_before_task(cfg).data.slices.per_unit == 40  # 98,304 / (44 x 56)
