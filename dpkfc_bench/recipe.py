@@ -8,12 +8,18 @@ Arms, one protocol for all (the same data, split, epsilon, evaluation):
 - ``own``: the workload as its author wrote it: a bundle's own optimizer, lr, batch and
   epochs (``--recipe bundle``), or a shipped config as shipped (its hand-tuned recipe);
 - ``auto``: ``recipe: auto`` -- a bundle with nothing but ``--epsilon``, a config with every
-  recipe field removed (data, network and privacy target kept).
+  recipe field removed (data, network and privacy target kept);
+- the rivals, each the ``auto`` arm with one thing set: ``auto+dp-sgd``, ``auto+dp-kfc`` and
+  ``auto+dp-stp`` fix the method (the rule chooses the rest; at epsilon <= 1 the rule itself
+  picks DP-SGD, so ``auto+dp-kfc`` is the rival there), ``auto+aug4`` adds augmentation
+  multiplicity (4 views of every drawn image summed before clipping; classification only).
 
-Workloads: ``zoo_bundle_3d`` (``dpkfc_bench/bundles/hippocampus_zoo_style``, a bundle written
-the Model Zoo way: UNet with BatchNorm, Adam 3e-3, batch 8), and the shipped
-configs ``pneumonia_cnn``, ``hippocampus_3d``, ``hippocampus_2d``, ``hippocampus_2ch`` (two
-input channels) and ``adrenal_resnet`` (AdrenalMNIST3D, ResNet-10). Each run
+Workloads: the bundles ``zoo_bundle_3d`` (``dpkfc_bench/bundles/hippocampus_zoo_style``, a
+bundle written the Model Zoo way: UNet with BatchNorm, Adam 3e-3, batch 8) and
+``pipeline_cls2d``, ``pipeline_seg3d``, ``pipeline_cls3d`` (the ``pipelines/`` bundles, whose
+own recipe is the hand-tuned one), and the shipped configs ``pneumonia_cnn``,
+``pneumonia_densenet``, ``hippocampus_3d``, ``hippocampus_2d``, ``hippocampus_2ch`` (two input
+channels) and ``adrenal_resnet`` (AdrenalMNIST3D, ResNet-10). Each run
 goes through the CLI; its test metric is read from the custodian's ``metrics.json`` (test
 patients no run selected on). Results: ``dpkfc_bench/results/recipe.{json,md,png}``; an
 interrupted study resumes with the runs it lacks.
@@ -48,15 +54,31 @@ from dpkfc_bench.harness import (
 
 OUT = RESULTS / "recipe"
 BUNDLE = ROOT / "dpkfc_bench" / "bundles" / "hippocampus_zoo_style"
+# bundle workloads: trained with `dpkfc-med bundle train BUNDLE --epsilon E` (own = --recipe bundle)
+BUNDLES = {
+    "zoo_bundle_3d": BUNDLE,
+    "pipeline_cls2d": ROOT / "pipelines" / "classification_2d",
+    "pipeline_seg3d": ROOT / "pipelines" / "segmentation_3d",
+    "pipeline_cls3d": ROOT / "pipelines" / "classification_3d",
+}
 CONFIGS = {
     "pneumonia_cnn": ("pneumoniamnist_cnn_2d_eps1.yaml", "test", "auroc"),
+    "pneumonia_densenet": ("pneumoniamnist_densenet121_2d_eps1.yaml", "test", "auroc"),
     "hippocampus_3d": ("hippocampus_unet_3d_eps8.yaml", "test", "mean_dice"),
     "hippocampus_2d": ("hippocampus_unet_2d_eps8.yaml", "test", "mean_dice"),
     "hippocampus_2ch": ("hippocampus_2ch_unet_3d_eps8.yaml", "test", "mean_dice"),
     "adrenal_resnet": ("adrenalmnist3d_resnet_3d_eps8.yaml", "test", "auroc"),
 }
-WORKLOADS = ("zoo_bundle_3d", *CONFIGS)
+WORKLOADS = (*BUNDLES, *CONFIGS)
 ARMS = ("own", "auto")
+# the rivals: the auto recipe with one setting fixed (``--set`` overrides, in the config's terms)
+RIVALS = {
+    "auto+dp-sgd": ["method=dp-sgd"],
+    "auto+dp-kfc": ["method=dp-kfc"],
+    "auto+dp-stp": ["method=dp-stp"],
+    "auto+aug4": ["data.augmentations_per_unit=4"],
+}
+ALL_ARMS = (*ARMS, *RIVALS)
 
 
 def _strip_recipe(raw: dict[str, Any]) -> dict[str, Any]:
@@ -77,13 +99,14 @@ def _strip_recipe(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _command(job: dict[str, Any], run: Path, tmp: Path) -> list[str]:
     w, arm, eps, seed = job["workload"], job["arm"], job["epsilon"], job["seed"]
-    common = ["--set", f"training.seed={seed}", "--set", "training.progress=false"]
-    if w == "zoo_bundle_3d":
-        cmd = ["bundle", "train", str(BUNDLE), "--epsilon", str(eps), "--out", str(run)]
+    sets = [f"training.seed={seed}", "training.progress=false", *RIVALS.get(arm, [])]
+    common = [part for s in sets for part in ("--set", s)]
+    if w in BUNDLES:
+        cmd = ["bundle", "train", str(BUNDLES[w]), "--epsilon", str(eps), "--out", str(run)]
         return [*cmd, "--recipe", "bundle" if arm == "own" else "auto", *common]
     raw = yaml.safe_load((ROOT / "configs" / CONFIGS[w][0]).read_text(encoding="utf-8"))
     raw.setdefault("privacy", {})["target_epsilon"] = float(eps)
-    if arm == "auto":
+    if arm != "own":
         raw = _strip_recipe(raw)
     path = tmp / f"{w}_{arm}.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
@@ -95,8 +118,8 @@ def _metric(job: dict[str, Any], run: Path) -> tuple[str, float | None, dict[str
 
     metrics = json.loads((run / "private_not_for_release" / "metrics.json").read_text("utf-8"))
     test = metrics.get("test") or {}
-    if job["workload"] == "zoo_bundle_3d":
-        name = "test_mean_dice"
+    if job["workload"] in BUNDLES:  # the bundle's key metric on its test list
+        name = next((k for k in test if k.startswith("test_")), "test_metric")
     else:
         name = CONFIGS[job["workload"]][2]
         name = next((k for k in test if k.endswith(name)), name)
@@ -138,10 +161,12 @@ def render(data: dict[str, Any]) -> str:
         groups.setdefault((r["workload"], float(r["epsilon"])), {}).setdefault(r["arm"], []).append(
             r["value"]
         )
+    present = {r["arm"] for r in runs}
+    shown = [a for a in ALL_ARMS if a in ARMS or a in present]
     rows = []
     for (w, eps), arms in sorted(groups.items()):
         cells = []
-        for arm in ARMS:
+        for arm in shown:
             vals = arms.get(arm, [])
             cells.append("-" if not vals else f"{fmt_mean_std(vals)} (n={len(vals)})")
         metric = next(r["metric"] for r in runs if r["workload"] == w)
@@ -151,9 +176,10 @@ def render(data: dict[str, Any]) -> str:
         "",
         "Generated by `python -m dpkfc_bench recipe`. Test metric on cases no run selected on;",
         "`own` = the bundle's own hyperparameters (`--recipe bundle`) or the shipped hand-tuned",
-        "config; `auto` = `recipe: auto` with every recipe field left to the rule.",
+        "config; `auto` = `recipe: auto` with every recipe field left to the rule;",
+        "`auto+X` = the auto recipe with one setting fixed (a method, or 4 augmentations).",
         "",
-        *table(["workload", "epsilon", "metric", *ARMS], rows),
+        *table(["workload", "epsilon", "metric", *shown], rows),
         "",
         "## Runs",
         "",
@@ -192,12 +218,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
     for ax, eps in zip(axes[0], epsilons):
         here = [r for r in runs if float(r["epsilon"]) == eps]
         workloads = sorted({r["workload"] for r in here})
-        for j, arm in enumerate(ARMS):
+        arms = [a for a in ALL_ARMS if any(r["arm"] == a for r in here)]
+        width = 0.8 / max(1, len(arms))
+        for j, arm in enumerate(arms):
             for i, w in enumerate(workloads):
                 vals = [r["value"] for r in here if r["workload"] == w and r["arm"] == arm]
-                x = i + (j - 0.5) * 0.3
+                x = i + (j - (len(arms) - 1) / 2) * width
                 if vals:
-                    ax.bar(x, sum(vals) / len(vals), 0.28, color=f"C{j}", alpha=0.6,
+                    ax.bar(x, sum(vals) / len(vals), width * 0.95, color=f"C{j}", alpha=0.6,
                            label=arm if i == 0 else None)  # fmt: skip
                     ax.plot([x] * len(vals), vals, "k.", ms=4)
         ax.set_xticks(range(len(workloads)), workloads, rotation=25, ha="right", fontsize=8)
@@ -213,7 +241,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dpkfc_bench recipe", description=__doc__)
     ap.add_argument("--workloads", default="zoo_bundle_3d,pneumonia_cnn")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ALL_ARMS)}")
     ap.add_argument("--epsilons", type=floats, default=[8.0])
     ap.add_argument("--seeds", type=ints, default=[0])
     ap.add_argument("--report-only", action="store_true")
@@ -228,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         for s in args.seeds
         for a in args.arms.split(",")
     ]
+    unknown = sorted({j["arm"] for j in jobs} - set(ALL_ARMS))
+    if unknown:
+        ap.error(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(ALL_ARMS)}")
     data["runs"] = [r for r in data["runs"] if "error" not in r]  # failed runs: again
     for job in [] if args.report_only else pending(jobs, data["runs"], _key):
         print(f"recipe: {job}", flush=True)

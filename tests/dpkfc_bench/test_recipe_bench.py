@@ -58,3 +58,26 @@ def test_two_invocations_writing_one_result_file_keep_each_others_runs(tmp_path)
         ("a", "auto"),
     ]
     assert first["runs"] == on_disk
+
+
+def test_a_rival_arm_is_the_auto_recipe_with_only_its_one_setting_fixed(tmp_path):
+    job = {"workload": "pneumonia_cnn", "arm": "auto+dp-stp", "epsilon": 8.0, "seed": 0}
+    cmd = bench._command(job, tmp_path / "run", tmp_path)
+    rival = yaml.safe_load((tmp_path / "pneumonia_cnn_auto+dp-stp.yaml").read_text("utf-8"))
+    bench._command({**job, "arm": "auto"}, tmp_path / "run", tmp_path)
+    auto = yaml.safe_load((tmp_path / "pneumonia_cnn_auto.yaml").read_text(encoding="utf-8"))
+    assert rival == auto and rival["training"]["recipe"] == "auto"
+    sets = [cmd[i + 1] for i, part in enumerate(cmd) if part == "--set"]
+    assert sets == ["training.seed=0", "training.progress=false", "method=dp-stp"]
+    runs = [_run("w", "auto", 0, 0.9), _run("w", "auto+dp-stp", 0, 0.7)]
+    header = next(line for line in bench.render({"runs": runs}).splitlines() if "| own |" in line)
+    assert header.split("|")[4:7] == [" own ", " auto ", " auto+dp-stp "]
+    assert "auto+dp-sgd" not in header  # a rival nobody ran gets no empty column
+
+
+def test_an_unknown_arm_is_refused_with_the_choices(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench.main(["--arms", "auto+dp-xyz", "--report-only"])
+    assert "auto+dp-stp" in capsys.readouterr().err
