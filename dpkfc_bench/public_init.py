@@ -178,12 +178,14 @@ def run_job(
         if arm == "public":
             return _test_dice(private_cfg, public_dir)
     finetune = job.get("finetune", "full")
-    run = work / f"{arm}_{shift}_{job['method']}_{finetune}_eps{eps:g}_s{seed}"
+    mode, *variant = finetune.split("@")  # "full@training.lr=0.003": a mode and its overrides
+    label = finetune.replace("@", "_").replace("=", "")
+    run = work / f"{arm}_{shift}_{job['method']}_{label}_eps{eps:g}_s{seed}"
     # the private-only arm keeps its config's own method (the shipped recipe: DP-SGD at 1)
     overrides = [*private, *([f"method={job['method']}"] if arm == "finetune" else [])]
     if arm == "finetune":
         overrides += [f"model.pretrained={public_dir / 'model.pt'}", "pretrain.steps=0",
-                      f"training.finetune={finetune}",
+                      f"training.finetune={mode}", *variant,
                       f"model.pretrained_source=public release, shift {shift}"]  # fmt: skip
         if shift in ("labels", "both"):  # anterior and posterior from the merged class
             overrides.append("model.pretrained_class_map=[0,1,1]")
@@ -203,12 +205,17 @@ def _layer_evidence(run: Path) -> dict[str, Any]:
 
 
 def jobs(
-    eps_list: list[float], seeds: list[int], finetunes: tuple[str, ...] = ("full",)
+    eps_list: list[float],
+    seeds: list[int],
+    finetunes: tuple[str, ...] = ("full",),
+    methods: tuple[str, ...] = METHODS,
 ) -> list[dict[str, Any]]:
     """Every run, most informative first: epsilon by epsilon, the public models first.
 
     ``finetunes`` are the ``training.finetune`` modes of the fine-tuning arms (``full``,
-    ``lora``, ...); the public and private-only arms are run once whatever they are."""
+    ``lora``, ...), each optionally with a fine-tuning recipe's overrides after ``@``
+    (``full@training.lr=0.003``); the public and private-only arms are run once whatever
+    they are."""
     out: list[dict[str, Any]] = []
     for seed in seeds:
         out += [{"arm": "public", "shift": s, "seed": seed} for s in SHIFTS]
@@ -216,7 +223,7 @@ def jobs(
         for seed in seeds:
             for shift in ("both", "labels", "contrast"):
                 out += [{"arm": "finetune", "shift": shift, "method": m, "eps": eps, "seed": seed,
-                         "finetune": f} for f in finetunes for m in METHODS]  # fmt: skip
+                         "finetune": f} for f in finetunes for m in methods]  # fmt: skip
             out.append({"arm": "private", "shift": None, "method": "config", "eps": eps,
                         "seed": seed})  # fmt: skip
     return out
@@ -261,11 +268,12 @@ def summarize(data: dict[str, Any]) -> str:
                      *[cell({"arm": "public", "shift": s}) for s in SHIFTS]]])  # fmt: skip
     for eps in sorted({r["eps"] for r in rows if r.get("eps") is not None}):
         lines += ["", f"## Epsilon {eps:g}", ""]
-        body = [[f"public init + {m} fine-tuning" + ("" if f == "full" else f" ({f})"),
+        body = [[f"public init + {m} fine-tuning" + ("" if f == "full" else f" ({f.replace('@', ', ')})"),
                  *[cell({"arm": "finetune", "shift": s, "method": m, "eps": eps, "finetune": f})
                    for s in SHIFTS]]
                 for f in _modes([r for r in rows if r.get("eps") == eps])
                 for m in METHODS]  # fmt: skip
+        body = [b for b in body if any(c != "not run" for c in b[1:])]
         private = cell({"arm": "private", "eps": eps})
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
@@ -381,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--eps", default="1,8")
     p.add_argument("--seeds", default="1")
-    p.add_argument("--finetune", default="full", help="fine-tuning modes, e.g. full,lora")
+    p.add_argument(
+        "--finetune",
+        default="full",
+        help="fine-tuning modes, e.g. full,lora; a mode with its recipe's overrides after @: "
+        "full@training.lr=0.003",
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help="of dp-sgd,dp-kfc")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--epochs", type=int, default=None, help="every arm alike (default: config)")
     p.add_argument("--out", type=Path, default=OUT)
@@ -408,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     folders = prepare(work / "data")
     done = {_key(r) for r in data["runs"]}
     save_results(args.out, data)
-    for job in jobs(floats(args.eps), ints(args.seeds), tuple(args.finetune.split(","))):
+    modes, methods = tuple(args.finetune.split(",")), tuple(args.methods.split(","))
+    for job in jobs(floats(args.eps), ints(args.seeds), modes, methods):
         if _key(job) in done:
             continue
         t0 = time.perf_counter()

@@ -52,6 +52,22 @@ LEVERS: dict[str, tuple[list[str], str]] = {
         ["data.slices.per_unit=null", "pretrain.batch_size=160"],
         "every slice and pretraining batch 160",
     ),
+    "lr003": (["training.lr=0.003"], "lr 0.003"),
+    "clip1": (["privacy.max_grad_norm=1.0"], "clip norm 1 instead of 0.125"),
+    "damp10": (
+        ["preconditioner.damping_a=10", "preconditioner.damping_g=10"],
+        "relative damping 10 (milder whitening)",
+    ),  # fmt: skip
+    "damp01": (
+        ["preconditioner.damping_a=0.1", "preconditioner.damping_g=0.1"],
+        "relative damping 0.1 (stronger whitening)",
+    ),  # fmt: skip
+    "narrow": (
+        ["model.kwargs.channels=[4,8,16]"],
+        "UNet channels 4, 8, 16 (a quarter of the parameters)",
+    ),
+    "wide": (["model.kwargs.channels=[16,32,64]"], "UNet channels 16, 32, 64 (4x the parameters)"),
+    "b32": (["training.batch_size=32", "training.epochs=40"], "batch 32 (q = 1/5, 200 steps)"),
 }
 
 

@@ -57,3 +57,23 @@ def test_summary_keeps_fine_tuning_modes_apart():
     assert _key(rows[0]) == _key({**rows[0], "finetune": "full"}) != _key(rows[2])
     lora = [j for j in jobs([1.0], [1], ("full", "lora")) if j.get("finetune") == "lora"]
     assert len(lora) == 6  # 3 shifts x 2 methods
+
+
+def test_a_fine_tuning_recipe_variant_is_its_own_arm_with_its_overrides():
+    """``full@training.lr=0.003``: full fine-tuning with that override, a row of its own."""
+    from dpkfc_bench.public_init import _key, jobs, summarize
+
+    variant = "full@training.lr=0.003"
+    js = jobs([1.0], [1], ("full", variant), methods=("dp-kfc",))
+    tuned = [j for j in js if j.get("finetune") == variant]
+    assert len(tuned) == 3 and {j["method"] for j in js if j["arm"] == "finetune"} == {"dp-kfc"}
+    rows = [{**j, "test_mean_dice": 0.6 if j.get("finetune") == variant else 0.5}
+            for j in js if j["arm"] == "finetune"]  # fmt: skip
+    assert _key(tuned[0]) != _key({**tuned[0], "finetune": "full"})
+    lines = [ln for ln in summarize({"runs": rows}).splitlines() if ln.startswith("| public init")]
+    assert lines == [
+        "| public init + dp-kfc fine-tuning | 0.500 +- 0.000 (n=1) | 0.500 +- 0.000 (n=1) "
+        "| 0.500 +- 0.000 (n=1) |",
+        "| public init + dp-kfc fine-tuning (full, training.lr=0.003) | 0.600 +- 0.000 (n=1) "
+        "| 0.600 +- 0.000 (n=1) | 0.600 +- 0.000 (n=1) |",
+    ]  # no dp-sgd line: nobody ran it
