@@ -126,7 +126,19 @@ def _metric(job: dict[str, Any], run: Path) -> tuple[str, float | None, dict[str
     value = test.get(name)
     report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     recipe = ((report.get("training") or {}).get("recipe") or {}).get("fields") or []
-    return name, (None if value is None else float(value)), {"recipe": recipe}
+    return name, (None if value is None else float(value)), {"recipe": recipe, **evidence(run)}
+
+
+def evidence(run: Path) -> dict[str, Any]:
+    """The run's per-layer SNR and clipped fraction (custodian diagnostics, not DP), if kept."""
+    from dpkfc_med.analysis.run_diagnostics import read_run_diagnostics
+
+    try:
+        diag = read_run_diagnostics(run)
+    except (FileNotFoundError, ValueError):
+        return {}
+    return {"clipped_fraction": round(diag.mean_clipped_fraction, 4),
+            "layer_snr": {k: float(f"{v:.4g}") for k, v in diag.mean_layer_snr.items()}}  # fmt: skip
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -198,9 +210,52 @@ def render(data: dict[str, Any]) -> str:
             ],
         ),  # fmt: skip
     ]
+    lines += _snr_tables(runs)
     for paragraph in data.get("reading") or []:
         lines += ["", paragraph]
     return "\n".join(lines) + "\n"
+
+
+def _snr_tables(runs: list[dict[str, Any]]) -> list[str]:
+    """Per workload and epsilon with two or more methods: each layer's mean SNR per arm."""
+    lines: list[str] = []
+    groups: dict[tuple[str, float], dict[str, list[dict[str, float]]]] = {}
+    for r in runs:
+        if r.get("layer_snr"):
+            at = groups.setdefault((r["workload"], float(r["epsilon"])), {})
+            at.setdefault(r["arm"], []).append(r["layer_snr"])
+    for (w, eps), arms in sorted(groups.items()):
+        if len(arms) < 2:
+            continue
+        names = [a for a in ALL_ARMS if a in arms]
+        method = {a: _method(runs, w, eps, a) for a in names}
+        layers = list(dict.fromkeys(k.removesuffix(" (fallback)") for a in names
+                                    for snr in arms[a] for k in snr))  # fmt: skip
+
+        lines += ["", f"### Per-layer SNR: {w}, epsilon {eps:g}", "",
+                  "Each layer's clipped signal's squared norm over the noise's expected squared "
+                  "norm on it, mean over steps and seeds, in the space the method clips in "
+                  "(custodian diagnostics from un-noised gradients, not DP).", ""]  # fmt: skip
+        lines += table(["layer", *[f"{a} ({method[a]})" for a in names]],
+                       [[layer, *[_mean_snr(arms[a], layer) for a in names]]
+                        for layer in layers])  # fmt: skip
+    return lines
+
+
+def _mean_snr(snrs: list[dict[str, float]], layer: str) -> str:
+    """A layer's mean SNR over runs (DP-KFC marks a layer without a curvature block "fallback")."""
+    vals = [v for snr in snrs for k, v in snr.items() if k.removesuffix(" (fallback)") == layer]
+    return f"{sum(vals) / len(vals):.3g}" if vals else "-"
+
+
+def _method(runs: list[dict[str, Any]], workload: str, eps: float, arm: str) -> str:
+    """The method an arm trained with, as its recipe rows name it (``as shipped`` without)."""
+    for r in runs:
+        if (r["workload"], float(r["epsilon"]), r["arm"]) == (workload, eps, arm):
+            for f in r.get("recipe") or []:
+                if f.get("field") == "method":
+                    return str(f.get("value"))
+    return "as shipped"
 
 
 def plot(data: dict[str, Any], path: Path) -> None:

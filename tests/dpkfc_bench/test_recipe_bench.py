@@ -81,3 +81,20 @@ def test_an_unknown_arm_is_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--arms", "auto+dp-xyz", "--report-only"])
     assert "auto+dp-stp" in capsys.readouterr().err
+
+
+def test_methods_side_by_side_get_a_per_layer_snr_table_with_each_arms_method():
+    def run(arm, method, snr):
+        return {**_run("w", arm, 0, 0.9), "layer_snr": snr,
+                "recipe": [{"field": "method", "value": method}]}  # fmt: skip
+
+    runs = [run("auto", "dp-kfc", {"conv": 0.5, "fc (fallback)": 2.0}),
+            run("auto+dp-sgd", "dp-sgd", {"conv": 0.25, "fc": 1.0}),
+            {**run("auto+dp-sgd", "dp-sgd", {"conv": 0.75, "fc": 3.0}), "seed": 1}]  # fmt: skip
+    lines = bench.render({"runs": runs}).splitlines()
+    at = lines.index("### Per-layer SNR: w, epsilon 8")
+    table_rows = [ln for ln in lines[at:] if ln.startswith("| ")]
+    assert table_rows[0] == "| layer | auto (dp-kfc) | auto+dp-sgd (dp-sgd) |"
+    assert table_rows[1:] == ["| conv | 0.5 | 0.5 |", "| fc | 2 | 2 |"]  # means over seeds
+    one = bench.render({"runs": runs[1:]})
+    assert "Per-layer SNR" not in one  # one arm alone: nothing to compare
