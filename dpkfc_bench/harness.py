@@ -242,3 +242,43 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]] = ()) -> list[str
         "|" + "---|" * len(header),
         *("| " + " | ".join(row) + " |" for row in rows),
     ]
+
+
+def layer_evidence(run: Path) -> dict[str, Any]:
+    """A run's per-layer SNR and clipped fraction (custodian diagnostics, not DP), if it kept them."""
+    from dpkfc_med.analysis.run_diagnostics import read_run_diagnostics
+
+    try:
+        diag = read_run_diagnostics(run)
+    except (FileNotFoundError, ValueError):
+        return {}
+    return {"clipped_fraction": round(diag.mean_clipped_fraction, 4),
+            "layer_snr": {k: float(f"{v:.4g}") for k, v in diag.mean_layer_snr.items()}}  # fmt: skip
+
+
+SNR_EXPLAINED = (
+    "Each layer's clipped signal's squared norm over the noise's expected squared norm on it, "
+    "mean over steps (and seeds), in the space the method clips in (custodian diagnostics from "
+    "un-noised gradients, not DP)."
+)
+
+
+def snr_table(columns: dict[str, list[dict[str, float]]]) -> list[str]:
+    """Markdown rows: one per layer, one column per label, the mean SNR over its runs.
+
+    DP-KFC marks a layer without a curvature block ``" (fallback)"``; the mark is dropped so
+    that the methods' rows line up.
+    """
+
+    def strip(name: str) -> str:
+        return name.removesuffix(" (fallback)")
+
+    layers = list(dict.fromkeys(strip(k) for runs in columns.values() for r in runs for k in r))
+
+    def mean(runs: list[dict[str, float]], layer: str) -> str:
+        vals = [v for r in runs for k, v in r.items() if strip(k) == layer]
+        return f"{sum(vals) / len(vals):.3g}" if vals else "-"
+
+    return table(
+        ["layer", *columns], [[x, *[mean(c, x) for c in columns.values()]] for x in layers]
+    )

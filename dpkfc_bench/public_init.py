@@ -49,6 +49,7 @@ from dpkfc_bench.harness import (
     fmt_mean_std,
     git_commit,
     ints,
+    layer_evidence,
     load_results,
     reading_lines,
     record,
@@ -190,18 +191,9 @@ def run_job(
         if shift in ("labels", "both"):  # anterior and posterior from the merged class
             overrides.append("model.pretrained_class_map=[0,1,1]")
     cfg = _train(_config(eps), overrides, run)
-    out = {**_test_dice(cfg, run), **_layer_evidence(run)}
+    out = {**_test_dice(cfg, run), **layer_evidence(run)}
     shutil.rmtree(run, ignore_errors=True)
     return out
-
-
-def _layer_evidence(run: Path) -> dict[str, Any]:
-    """The run's per-layer SNR and clipped fraction (custodian diagnostics, not DP)."""
-    from dpkfc_med.analysis.run_diagnostics import read_run_diagnostics
-
-    diag = read_run_diagnostics(run)
-    return {"clipped_fraction": round(diag.mean_clipped_fraction, 4),
-            "layer_snr": {k: float(f"{v:.4g}") for k, v in diag.mean_layer_snr.items()}}  # fmt: skip
 
 
 def jobs(

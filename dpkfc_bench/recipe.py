@@ -12,7 +12,9 @@ Arms, one protocol for all (the same data, split, epsilon, evaluation):
 - the rivals, each the ``auto`` arm with one thing set: ``auto+dp-sgd``, ``auto+dp-kfc`` and
   ``auto+dp-stp`` fix the method (the rule chooses the rest; at epsilon <= 1 the rule itself
   picks DP-SGD, so ``auto+dp-kfc`` is the rival there), ``auto+aug4`` adds augmentation
-  multiplicity (4 views of every drawn image summed before clipping; classification only).
+  multiplicity (4 views of every drawn image summed before clipping; classification only);
+  ``auto+dp-stp+c10`` and ``+c100``: dp-stp with clip norm 10 or 100 (it clips in scaled
+  coordinates, where the rule's clip norm for unscaled gradients may not fit).
 
 Workloads: the bundles ``zoo_bundle_3d`` (``dpkfc_bench/bundles/hippocampus_zoo_style``, a
 bundle written the Model Zoo way: UNet with BatchNorm, Adam 3e-3, batch 8) and
@@ -40,15 +42,18 @@ import yaml
 from dpkfc_bench.harness import (
     RESULTS,
     ROOT,
+    SNR_EXPLAINED,
     environment,
     floats,
     fmt_mean_std,
     ints,
+    layer_evidence,
     load_results,
     pending,
     record,
     runs_dir,
     save_results,
+    snr_table,
     table,
 )
 
@@ -77,6 +82,10 @@ RIVALS = {
     "auto+dp-kfc": ["method=dp-kfc"],
     "auto+dp-stp": ["method=dp-stp"],
     "auto+aug4": ["data.augmentations_per_unit=4"],
+    # dp-stp clips in its scaled coordinates, where a unit's gradient is far longer than the
+    # rule's clip norm (chosen for unscaled gradients): its sensitivity to that norm
+    "auto+dp-stp+c10": ["method=dp-stp", "privacy.max_grad_norm=10"],
+    "auto+dp-stp+c100": ["method=dp-stp", "privacy.max_grad_norm=100"],
 }
 ALL_ARMS = (*ARMS, *RIVALS)
 
@@ -126,19 +135,11 @@ def _metric(job: dict[str, Any], run: Path) -> tuple[str, float | None, dict[str
     value = test.get(name)
     report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
     recipe = ((report.get("training") or {}).get("recipe") or {}).get("fields") or []
-    return name, (None if value is None else float(value)), {"recipe": recipe, **evidence(run)}
-
-
-def evidence(run: Path) -> dict[str, Any]:
-    """The run's per-layer SNR and clipped fraction (custodian diagnostics, not DP), if kept."""
-    from dpkfc_med.analysis.run_diagnostics import read_run_diagnostics
-
-    try:
-        diag = read_run_diagnostics(run)
-    except (FileNotFoundError, ValueError):
-        return {}
-    return {"clipped_fraction": round(diag.mean_clipped_fraction, 4),
-            "layer_snr": {k: float(f"{v:.4g}") for k, v in diag.mean_layer_snr.items()}}  # fmt: skip
+    return (
+        name,
+        (None if value is None else float(value)),
+        {"recipe": recipe, **layer_evidence(run)},
+    )
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +218,7 @@ def render(data: dict[str, Any]) -> str:
 
 
 def _snr_tables(runs: list[dict[str, Any]]) -> list[str]:
-    """Per workload and epsilon with two or more methods: each layer's mean SNR per arm."""
+    """Per workload and epsilon with two or more arms: each layer's mean SNR per arm."""
     lines: list[str] = []
     groups: dict[tuple[str, float], dict[str, list[dict[str, float]]]] = {}
     for r in runs:
@@ -228,24 +229,10 @@ def _snr_tables(runs: list[dict[str, Any]]) -> list[str]:
         if len(arms) < 2:
             continue
         names = [a for a in ALL_ARMS if a in arms]
-        method = {a: _method(runs, w, eps, a) for a in names}
-        layers = list(dict.fromkeys(k.removesuffix(" (fallback)") for a in names
-                                    for snr in arms[a] for k in snr))  # fmt: skip
-
-        lines += ["", f"### Per-layer SNR: {w}, epsilon {eps:g}", "",
-                  "Each layer's clipped signal's squared norm over the noise's expected squared "
-                  "norm on it, mean over steps and seeds, in the space the method clips in "
-                  "(custodian diagnostics from un-noised gradients, not DP).", ""]  # fmt: skip
-        lines += table(["layer", *[f"{a} ({method[a]})" for a in names]],
-                       [[layer, *[_mean_snr(arms[a], layer) for a in names]]
-                        for layer in layers])  # fmt: skip
+        columns = {f"{a} ({_method(runs, w, eps, a)})": arms[a] for a in names}
+        lines += ["", f"### Per-layer SNR: {w}, epsilon {eps:g}", "", SNR_EXPLAINED, ""]
+        lines += snr_table(columns)
     return lines
-
-
-def _mean_snr(snrs: list[dict[str, float]], layer: str) -> str:
-    """A layer's mean SNR over runs (DP-KFC marks a layer without a curvature block "fallback")."""
-    vals = [v for snr in snrs for k, v in snr.items() if k.removesuffix(" (fallback)") == layer]
-    return f"{sum(vals) / len(vals):.3g}" if vals else "-"
 
 
 def _method(runs: list[dict[str, Any]], workload: str, eps: float, arm: str) -> str:

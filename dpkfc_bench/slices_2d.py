@@ -26,11 +26,23 @@ from typing import Any
 
 import numpy as np
 
-from dpkfc_bench.harness import RESULTS, ROOT, environment, load_results, record, runs_dir, table
+from dpkfc_bench.harness import (
+    RESULTS,
+    ROOT,
+    SNR_EXPLAINED,
+    environment,
+    layer_evidence,
+    load_results,
+    record,
+    runs_dir,
+    snr_table,
+    table,
+)
 
 OUT = RESULTS / "slices_2d"
 CONFIG = ROOT / "configs" / "hippocampus_unet_2d_eps8.yaml"
 PRIVATE = "private_not_for_release"
+SNR_LEVERS = ("base", "allslices", "all_pre160", "eps30", "dpsgd", "narrow", "wide")
 # lever -> (its --set overrides, what it changes)
 LEVERS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the shipped 2D config (8 random slices per patient, 240 steps at q = 1/3)"),
@@ -126,6 +138,7 @@ def run_lever(name: str) -> dict[str, Any]:
         "largest_component_dice": largest_component_dice(preds, labels),
         "selected_epoch": m.get("selected_epoch"),
         "minutes": round((time.perf_counter() - t0) / 60, 1),
+        **layer_evidence(run),
     }
 
 
@@ -159,6 +172,10 @@ def render(data: dict[str, Any]) -> str:
             rows,
         ),  # fmt: skip
     ]
+    kept = {r["lever"]: [r["layer_snr"]] for r in data["runs"] if r.get("layer_snr")}
+    shown = {k: kept[k] for k in SNR_LEVERS if k in kept}
+    if len(shown) > 1:
+        lines += ["", "## Per-layer SNR", "", SNR_EXPLAINED, "", *snr_table(shown)]
     for paragraph in data.get("reading") or []:
         lines += ["", paragraph]
     return "\n".join(lines) + "\n"
