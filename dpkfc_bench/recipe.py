@@ -6,7 +6,8 @@
 Arms, one protocol for all (the same data, split, epsilon, evaluation):
 
 - ``own``: the workload as its author wrote it: a bundle's own optimizer, lr, batch and
-  epochs (``--recipe bundle``), or a shipped config as shipped (its hand-tuned recipe);
+  epochs (``--recipe bundle``), or a shipped config as shipped (its hand-tuned recipe; for
+  the 2D slices, ``dpkfc_bench/hippocampus_unet_2d_slices_base.yaml``, the 3D recipe reused);
 - ``auto``: ``recipe: auto`` -- a bundle with nothing but ``--epsilon``, a config with every
   recipe field removed (data, network and privacy target kept);
 - the rivals, each the ``auto`` arm with one thing set: ``auto+dp-sgd``, ``auto+dp-kfc`` and
@@ -66,13 +67,15 @@ BUNDLES = {
     "pipeline_seg3d": ROOT / "pipelines" / "segmentation_3d",
     "pipeline_cls3d": ROOT / "pipelines" / "classification_3d",
 }
+# config workloads: the config (own = as written), the split and the test metric; the 2D one
+# is the 3D recipe reused by hand (the shipped 2D config is recipe: auto)
 CONFIGS = {
-    "pneumonia_cnn": ("pneumoniamnist_cnn_2d_eps1.yaml", "test", "auroc"),
-    "pneumonia_densenet": ("pneumoniamnist_densenet121_2d_eps1.yaml", "test", "auroc"),
-    "hippocampus_3d": ("hippocampus_unet_3d_eps8.yaml", "test", "mean_dice"),
-    "hippocampus_2d": ("hippocampus_unet_2d_eps8.yaml", "test", "mean_dice"),
-    "hippocampus_2ch": ("hippocampus_2ch_unet_3d_eps8.yaml", "test", "mean_dice"),
-    "adrenal_resnet": ("adrenalmnist3d_resnet_3d_eps8.yaml", "test", "auroc"),
+    "pneumonia_cnn": ("configs/pneumoniamnist_cnn_2d_eps1.yaml", "test", "auroc"),
+    "pneumonia_densenet": ("configs/pneumoniamnist_densenet121_2d_eps1.yaml", "test", "auroc"),
+    "hippocampus_3d": ("configs/hippocampus_unet_3d_eps8.yaml", "test", "mean_dice"),
+    "hippocampus_2d": ("dpkfc_bench/hippocampus_unet_2d_slices_base.yaml", "test", "mean_dice"),
+    "hippocampus_2ch": ("configs/hippocampus_2ch_unet_3d_eps8.yaml", "test", "mean_dice"),
+    "adrenal_resnet": ("configs/adrenalmnist3d_resnet_3d_eps8.yaml", "test", "auroc"),
 }
 WORKLOADS = (*BUNDLES, *CONFIGS)
 ARMS = ("own", "auto")
@@ -113,7 +116,7 @@ def _command(job: dict[str, Any], run: Path, tmp: Path) -> list[str]:
     if w in BUNDLES:
         cmd = ["bundle", "train", str(BUNDLES[w]), "--epsilon", str(eps), "--out", str(run)]
         return [*cmd, "--recipe", "bundle" if arm == "own" else "auto", *common]
-    raw = yaml.safe_load((ROOT / "configs" / CONFIGS[w][0]).read_text(encoding="utf-8"))
+    raw = yaml.safe_load((ROOT / CONFIGS[w][0]).read_text(encoding="utf-8"))
     raw.setdefault("privacy", {})["target_epsilon"] = float(eps)
     if arm != "own":
         raw = _strip_recipe(raw)

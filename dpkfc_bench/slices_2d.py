@@ -1,8 +1,9 @@
-"""Why 2D segmentation on slices lags 3D: one lever at a time on the shipped 2D config.
+"""Why 2D segmentation on slices lags 3D: one lever at a time on the 3D recipe reused for 2D.
 
     python -m dpkfc_bench slices-2d [--levers base,allslices,...] [--report-only]
 
-Every run is ``configs/hippocampus_unet_2d_eps8.yaml`` (MONAI 2D UNet on axial slices of the
+Every run is ``dpkfc_bench/hippocampus_unet_2d_slices_base.yaml`` (the 3D recipe reused by
+hand for 2D; MONAI 2D UNet on axial slices of the
 MSD hippocampus volumes, the patient as the privacy unit, epsilon 8) with one change, through
 the CLI, one torch thread. Test Dice is on the 40 test patients (whole volumes, slice by slice).
 Each run's test predictions are then post-processed the way many MONAI bundles do (largest
@@ -40,7 +41,7 @@ from dpkfc_bench.harness import (
 )
 
 OUT = RESULTS / "slices_2d"
-CONFIG = ROOT / "configs" / "hippocampus_unet_2d_eps8.yaml"
+CONFIG = ROOT / "dpkfc_bench" / "hippocampus_unet_2d_slices_base.yaml"
 PRIVATE = "private_not_for_release"
 SNR_LEVERS = ("base", "allslices", "all_pre160", "eps30", "dpsgd", "narrow", "wide")
 # lever -> (its --set overrides, what it changes)
