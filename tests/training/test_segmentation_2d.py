@@ -22,6 +22,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hippocampus_unet_2d_
 TINY = [
     "data.max_train=6",
     "data.max_eval=2",
+    "data.slices.per_unit=8",
     "training.epochs=1",
     "training.batch_size=3",
     "training.eval_batch_size=16",
