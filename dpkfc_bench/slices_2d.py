@@ -46,7 +46,7 @@ PRIVATE = "private_not_for_release"
 SNR_LEVERS = ("base", "allslices", "all_pre160", "eps30", "dpsgd", "narrow", "wide")
 # lever -> (its --set overrides, what it changes)
 LEVERS: dict[str, tuple[list[str], str]] = {
-    "base": ([], "the shipped 2D config (8 random slices per patient, 240 steps at q = 1/3)"),
+    "base": ([], "the 3D recipe reused for 2D (8 random slices per patient, 240 steps at q = 1/3)"),
     "base_s1": (["training.seed=1"], "the same, seed 1"),
     "nonprivate": (["method=nonprivate"], "non-private, same steps and batches"),
     "eps30": (["privacy.target_epsilon=30"], "epsilon 30: noise multiplier 1.26 instead of 3.22"),
