@@ -98,3 +98,9 @@ def test_methods_side_by_side_get_a_per_layer_snr_table_with_each_arms_method():
     assert table_rows[1:] == ["| conv | 0.5 | 0.5 |", "| fc | 2 | 2 |"]  # means over seeds
     one = bench.render({"runs": runs[1:]})
     assert "Per-layer SNR" not in one  # one arm alone: nothing to compare
+
+
+def test_a_run_without_diagnostics_gives_no_layer_evidence(tmp_path):
+    from dpkfc_bench.harness import layer_evidence
+
+    assert layer_evidence(tmp_path) == {}
