@@ -266,18 +266,21 @@ def plot(data: dict[str, Any], path: Path) -> None:
         arms = [a for a in ALL_ARMS if any(r["arm"] == a for r in here)]
         width = 0.8 / max(1, len(arms))
         for j, arm in enumerate(arms):
+            labelled = False  # one legend entry per arm; an arm keeps its colour in every panel
             for i, w in enumerate(workloads):
                 vals = [r["value"] for r in here if r["workload"] == w and r["arm"] == arm]
                 x = i + (j - (len(arms) - 1) / 2) * width
                 if vals:
-                    ax.bar(x, sum(vals) / len(vals), width * 0.95, color=f"C{j}", alpha=0.6,
-                           label=arm if i == 0 else None)  # fmt: skip
+                    ax.bar(x, sum(vals) / len(vals), width * 0.95, alpha=0.6,
+                           color=f"C{ALL_ARMS.index(arm)}",
+                           label=None if labelled else arm)  # fmt: skip
                     ax.plot([x] * len(vals), vals, "k.", ms=4)
+                    labelled = True
         ax.set_xticks(range(len(workloads)), workloads, rotation=25, ha="right", fontsize=8)
         ax.set_ylim(0, 1)
         ax.set_title(f"epsilon {eps:g}")
         ax.set_ylabel("test metric (Dice or AUROC)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
