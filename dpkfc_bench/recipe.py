@@ -59,23 +59,22 @@ from dpkfc_bench.harness import (
 )
 
 OUT = RESULTS / "recipe"
-BUNDLE = ROOT / "dpkfc_bench" / "bundles" / "hippocampus_zoo_style"
 # bundle workloads: trained with `dpkfc-med bundle train BUNDLE --epsilon E` (own = --recipe bundle)
 BUNDLES = {
-    "zoo_bundle_3d": BUNDLE,
+    "zoo_bundle_3d": ROOT / "dpkfc_bench" / "bundles" / "hippocampus_zoo_style",
     "pipeline_cls2d": ROOT / "pipelines" / "classification_2d",
     "pipeline_seg3d": ROOT / "pipelines" / "segmentation_3d",
     "pipeline_cls3d": ROOT / "pipelines" / "classification_3d",
 }
-# config workloads: the config (own = as written), the split and the test metric; the 2D one
+# config workloads: the config (own = as written) and its test metric; the 2D one
 # is the 3D recipe reused by hand (the shipped 2D config is recipe: auto)
 CONFIGS = {
-    "pneumonia_cnn": ("configs/pneumoniamnist_cnn_2d_eps1.yaml", "test", "auroc"),
-    "pneumonia_densenet": ("configs/pneumoniamnist_densenet121_2d_eps1.yaml", "test", "auroc"),
-    "hippocampus_3d": ("configs/hippocampus_unet_3d_eps8.yaml", "test", "mean_dice"),
-    "hippocampus_2d": ("dpkfc_bench/hippocampus_unet_2d_slices_base.yaml", "test", "mean_dice"),
-    "hippocampus_2ch": ("configs/hippocampus_2ch_unet_3d_eps8.yaml", "test", "mean_dice"),
-    "adrenal_resnet": ("configs/adrenalmnist3d_resnet_3d_eps8.yaml", "test", "auroc"),
+    "pneumonia_cnn": ("configs/pneumoniamnist_cnn_2d_eps1.yaml", "auroc"),
+    "pneumonia_densenet": ("configs/pneumoniamnist_densenet121_2d_eps1.yaml", "auroc"),
+    "hippocampus_3d": ("configs/hippocampus_unet_3d_eps8.yaml", "mean_dice"),
+    "hippocampus_2d": ("dpkfc_bench/hippocampus_unet_2d_slices_base.yaml", "mean_dice"),
+    "hippocampus_2ch": ("configs/hippocampus_2ch_unet_3d_eps8.yaml", "mean_dice"),
+    "adrenal_resnet": ("configs/adrenalmnist3d_resnet_3d_eps8.yaml", "auroc"),
 }
 WORKLOADS = (*BUNDLES, *CONFIGS)
 ARMS = ("own", "auto")
@@ -133,7 +132,7 @@ def _metric(job: dict[str, Any], run: Path) -> tuple[str, float | None, dict[str
     if job["workload"] in BUNDLES:  # the bundle's key metric on its test list
         name = next((k for k in test if k.startswith("test_")), "test_metric")
     else:
-        name = CONFIGS[job["workload"]][2]
+        name = CONFIGS[job["workload"]][1]
         name = next((k for k in test if k.endswith(name)), name)
     value = test.get(name)
     report = json.loads((run / "privacy_report.json").read_text(encoding="utf-8"))
