@@ -10,7 +10,8 @@ draws while the accountant still counts the configured noise: the run is NOT dif
 private, and its rows are marked so in the JSON and the table. The audit passes its test when
 every ``0.1`` row is refuted and no ``1`` row is.
 
-Each entry is one ``dpkfc-med audit`` of ``configs/pneumoniamnist_cnn_2d_eps1.yaml`` with
+Each entry is one ``dpkfc-med audit`` of ``dpkfc_bench/pneumoniamnist_cnn_2d_eps1_hand.yaml`` (the
+README demo's hand-tuned recipe) with
 ``--method``, ``--epsilon`` and ``--seed`` (the training seed; the canaries' inclusion and
 placement come from OS entropy, so two audits with one seed differ) and the default canary
 count and confidence (``dpkfc_med.training.audit``). Each entry keeps the audit's power: the
@@ -48,7 +49,7 @@ from dpkfc_med.privacy.audit import NULL_DOF
 from dpkfc_med.training.audit import run_audit
 from dpkfc_med.training.config import load_config
 
-CONFIG = ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml"
+CONFIG = ROOT / "dpkfc_bench" / "pneumoniamnist_cnn_2d_eps1_hand.yaml"
 OUT = RESULTS / "audit_pneumonia_cnn.json"
 SCORE = f"t{NULL_DOF:g} null"
 """The canary score of the current audit (rows without a ``score`` used a Gaussian null)."""

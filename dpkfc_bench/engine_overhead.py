@@ -19,7 +19,7 @@ Both drive one private optimizer, network and ledger file, built by
 config's privacy plan, stretched (:func:`~dpkfc_med.training.opening.plan_privacy` with more
 steps, noise calibrated to the config's epsilon) when the study takes more steps than the
 config's epochs, so the ledger is never exhausted. Cases: the small CNN of
-``configs/pneumoniamnist_cnn_2d_eps1.yaml`` and the 3D UNet of
+``dpkfc_bench/pneumoniamnist_cnn_2d_eps1_hand.yaml`` and the 3D UNet of
 ``configs/hippocampus_unet_3d_eps8.yaml`` (16 training patients, 4 expected per step, no
 pretraining). ``probes.refresh_every=0``: no preconditioner refresh falls into one arm's block
 only (a refresh is the same optimizer call in both).
@@ -64,7 +64,7 @@ TARGET = 1.05
 HEADER = ["case", "engine ms/step (median / min)", "bare ms/step (median / min)",
           "ratio, steady steps", "whole blocks, ms/step and ratio"]  # fmt: skip
 CASES: dict[str, tuple[str, list[str]]] = {  # name -> (config, overrides)
-    "small_cnn": ("configs/pneumoniamnist_cnn_2d_eps1.yaml", []),
+    "small_cnn": ("dpkfc_bench/pneumoniamnist_cnn_2d_eps1_hand.yaml", []),
     "unet_3d": (
         "configs/hippocampus_unet_3d_eps8.yaml",
         ["data.max_train=16", "training.batch_size=4", "pretrain.steps=0"],

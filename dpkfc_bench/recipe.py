@@ -69,7 +69,7 @@ BUNDLES = {
 # config workloads: the config (own = as written) and its test metric; the 2D one
 # is the 3D recipe reused by hand (the shipped 2D config is recipe: auto)
 CONFIGS = {
-    "pneumonia_cnn": ("configs/pneumoniamnist_cnn_2d_eps1.yaml", "auroc"),
+    "pneumonia_cnn": ("dpkfc_bench/pneumoniamnist_cnn_2d_eps1_hand.yaml", "auroc"),
     "pneumonia_densenet": ("configs/pneumoniamnist_densenet121_2d_eps1.yaml", "auroc"),
     "hippocampus_3d": ("configs/hippocampus_unet_3d_eps8.yaml", "mean_dice"),
     "hippocampus_2d": ("dpkfc_bench/hippocampus_unet_2d_slices_base.yaml", "mean_dice"),

@@ -60,7 +60,7 @@ from dpkfc_med.training.tune import TUNING_LEDGER, parse_grid, released_model, r
 TASKS: dict[str, dict[str, Any]] = {
     "pneumonia_cnn": {
         "title": "PneumoniaMNIST, small CNN (README demo config, DP-KFC)",
-        "config": "configs/pneumoniamnist_cnn_2d_eps1.yaml",
+        "config": "dpkfc_bench/pneumoniamnist_cnn_2d_eps1_hand.yaml",
         "overrides": [],
         "select": "auroc",
         "metrics": ("auroc", "accuracy"),

@@ -57,7 +57,7 @@ CLS_TINY = [
 
 CONFIGS = {
     "segmentation_3d": ROOT / "configs" / "hippocampus_unet_3d_eps8.yaml",
-    "classification_2d": ROOT / "configs" / "pneumoniamnist_cnn_2d_eps1.yaml",
+    "classification_2d": ROOT / "dpkfc_bench" / "pneumoniamnist_cnn_2d_eps1_hand.yaml",
     "classification_3d": ROOT / "configs" / "adrenalmnist3d_resnet_3d_eps8.yaml",
 }
 """The run config each pipeline bundle in ``pipelines/`` is the Model Zoo form of."""

@@ -464,14 +464,14 @@ def test_set_override_errors_name_the_override_not_the_file(tmp_path, capsys):
     assert "pneumoniamnist_cnn_2d_eps1.yaml" not in err
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        cfg.read_text(encoding="utf-8").replace("optimizer: sgd", "optimiser: sgd"),
+        cfg.read_text(encoding="utf-8").replace("recipe: auto", "recipie: auto"),
         encoding="utf-8",
     )
     assert main(["train", str(bad), "--out", str(out), "--set", "training.lrr=1"]) == 2
     err = capsys.readouterr().err
     assert f"{bad} and its --set overrides" in err
     assert "--set training.lrr=1: unknown field (did you mean 'lr'?)" in err
-    assert "\n  training.optimiser: unknown field" in err
+    assert "\n  training.recipie: unknown field" in err
 
 
 @pytest.mark.parametrize("family", ["shampoo", "diagonal"])

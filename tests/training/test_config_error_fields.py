@@ -19,13 +19,13 @@ def _config_with(tmp_path: Path, old: str, new: str) -> Path:
 
 
 def test_override_problems_name_their_override_and_file_problems_the_file(tmp_path):
-    bad = _config_with(tmp_path, "optimizer: sgd", "optimiser: sgd")
+    bad = _config_with(tmp_path, "recipe: auto", "recipie: auto")
     with pytest.raises(ConfigError) as caught:
         load_config(bad, ["training.lrr=1"])
     err = caught.value
     assert err.source == f"{bad} and its --set overrides" and err.file == str(bad)
     (in_file, from_set), (no_culprit, culprit) = err.problems, err.set_by
-    assert in_file.startswith("training.optimiser: unknown field") and no_culprit is None
+    assert in_file.startswith("training.recipie: unknown field") and no_culprit is None
     assert culprit is not None and culprit[0] == "training.lrr=1"
     assert from_set == f"--set training.lrr=1: {culprit[1]}"
     assert culprit[1].startswith("unknown field (did you mean 'lr'?)")
@@ -52,9 +52,9 @@ def test_an_error_built_by_hand_has_no_culprits():
 
 
 def test_the_cli_names_the_option_typed_beside_the_file(tmp_path, capsys):
-    bad = _config_with(tmp_path, "optimizer: sgd", "optimizer: sgdd")
+    bad = _config_with(tmp_path, "accountant: prv", "accountant: prvv")
     assert main(["train", str(bad), "--out", str(tmp_path / "r"), "--epsilon", "-1"]) == 2
     err = capsys.readouterr().err
     assert f"config error in {bad} and its command-line options:\n" in err
     assert "\n  --epsilon -1.0: must be a positive number" in err and "--set" not in err
-    assert "\n  training.optimizer='sgdd': not allowed (did you mean 'sgd'?)" in err
+    assert "\n  privacy.accountant='prvv': not allowed (did you mean 'prv'?)" in err
