@@ -106,6 +106,8 @@ class FinetuneRecord:
         pretrained: The loaded weights: ``sha256`` of the file, ``source`` as the user states
             it, ``format``, ``reinitialised`` keys, ``dropped_keys`` and ``path`` (the path
             is custodian-only in the report).
+        head_first: A staged fine-tuning (``training.head_first_epochs``): its ``epochs``, the
+            ``modules`` that learn alone in them and their ``params``; ``None``: one stage.
     """
 
     finetune: str = FinetuneMode.FULL.value
@@ -114,6 +116,7 @@ class FinetuneRecord:
     trainable_modules: list[str] = field(default_factory=list)
     lora: dict[str, Any] | None = None
     pretrained: dict[str, Any] | None = None
+    head_first: dict[str, Any] | None = None
 
 
 def parametrised_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -121,6 +121,13 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             (:attr:`~dpkfc_med.privacy.grad_sample.PreconditionedGradSampleModule.ghost_rows`):
             their parameters have no ``grad_sample``; their per-unit norms and clipped sums
             come from the kept rows (:mod:`.ghost`). Emptied after every step.
+
+    Attributes:
+        hold: ``id``\ s of parameters that learn nothing at the next steps (the first stage of
+            ``training.head_first_epochs``): their per-unit gradients count as zero in the
+            clipped norm and sum, and their noisy gradient is dropped before the update (no
+            step, no optimizer state). The others' clipped sum then has norm at most ``C``
+            per unit, so the step is the planned mechanism restricted to them.
     """
 
     def __init__(
@@ -165,6 +172,7 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
         self._fallback_raw_sq: dict[int, Tensor] = {}
         self.world = world or World()
         self.ghost_rows: dict[nn.Module, GhostRows] = {} if ghost_rows is None else ghost_rows
+        self.hold: frozenset[int] = frozenset()
 
     def layer_name(
         self, p: nn.Parameter, index: int, names: Mapping[int, str] | None = None
@@ -242,10 +250,14 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             w_sq, b_sq = layer_sq[id(rows)]
             sq_p = w_sq if kind == "weight" else b_sq
             assert sq_p is not None  # a bias parameter has a bias column
-            ghost_sq[pid] = sq_p
+            ghost_sq[pid] = torch.zeros_like(sq_p) if pid in self.hold else sq_p
         grads = [
             None if id(p) in ghost else self._per_unit(self._get_flat_grad_sample(p))
             for p in self.params
+        ]
+        grads = [  # a held parameter's gradient counts as zero (its noisy sum is dropped)
+            torch.zeros_like(g) if g is not None and id(p) in self.hold else g
+            for p, g in zip(self.params, grads)
         ]
         sizes = [len(g) for g in grads if g is not None] + [len(v) for v in ghost_sq.values()]
         if len(set(sizes)) > 1:
@@ -286,6 +298,8 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
                 part = w_sum if kind == "weight" else b_sum
                 assert part is not None
                 summed = part.to(p.dtype).reshape(p.shape)
+                if id(p) in self.hold:
+                    summed = torch.zeros_like(summed)
             else:
                 _check_processed_flag(p.grad_sample)
                 g = g.to(p.dtype)
@@ -437,6 +451,9 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             return False
         self.add_noise()
         self.scale_grad()
+        for p in self.params:
+            if id(p) in self.hold:  # its noise only: dropped, no update
+                p.grad = None
         if self.step_hook:
             self.step_hook(self)
         self._is_last_step_skipped = False

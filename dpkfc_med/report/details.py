@@ -233,6 +233,18 @@ def data_section(report: Mapping[str, Any]) -> list[Block]:
     return out
 
 
+def _finetune_text(model: Mapping[str, Any]) -> str:
+    mode = model.get("finetune") or "full"
+    staged = model.get("head_first")
+    if not staged:
+        return mode
+    n = staged["epochs"]
+    return (
+        f"{mode}, after {n} epoch{'' if n == 1 else 's'} in which only "
+        f"{', '.join(staged['modules'])} ({count_text(staged['params'])} parameters) learned"
+    )
+
+
 def model_section(report: Mapping[str, Any]) -> list[Block]:
     """The network, its parameter counts and the fixes applied for per-sample privacy."""
     model = report["model"]
@@ -246,7 +258,7 @@ def model_section(report: Mapping[str, Any]) -> list[Block]:
                     [
                         ("Trained privately", count_text(model["trainable_params"])),
                         ("Frozen", count_text(model.get("frozen_params") or 0)),
-                        ("Fine-tuning", model.get("finetune") or "full"),
+                        ("Fine-tuning", _finetune_text(model)),
                     ]
                     if "trainable_params" in model
                     else []

@@ -295,7 +295,14 @@ class TrainingConfig:
             ``lora`` (low-rank adapters on ``lora_targets``, plus the output layer in full;
             needs ``pip install 'dpkfc-med[finetune]'``). The released ``model.pt`` is a plain
             network (LoRA merged into the base weights).
-        finetune_last: modules trained by ``finetune: last_layers`` (1 = the output layer).
+        finetune_last: modules trained by ``finetune: last_layers`` (1 = the output layer),
+            and by the first stage of ``head_first_epochs``.
+        head_first_epochs: staged fine-tuning of public weights: for the first ``K`` epochs
+            only the last ``finetune_last`` trainable modules (the output layer by default)
+            learn; from epoch ``K + 1`` every parameter of ``finetune`` does. One mechanism
+            and one ledger throughout: every step clips each unit's gradient over the
+            parameters learning at that step to ``C`` and noises it as planned. ``0``: one
+            stage. Needs ``model.pretrained`` and fewer than ``epochs``.
         lora_rank: LoRA rank ``r``.
         lora_alpha: LoRA ``alpha`` (the adapter's update is scaled by ``alpha / r``).
         lora_targets: layers that get LoRA adapters: regular expressions searched in module
@@ -327,6 +334,7 @@ class TrainingConfig:
     progress: bool = True
     finetune: str = "full"
     finetune_last: int = 1
+    head_first_epochs: int = 0
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_targets: list[str] | None = None

@@ -265,6 +265,26 @@ def _finetune_problems(cfg: Any) -> list[str]:
             "frozen parameters would not be pretrained either; use finetune: full with "
             "data-free pretraining"
         )
+    k = t.head_first_epochs
+    if isinstance(k, int) and not isinstance(k, bool) and k != 0:
+        if k < 0:
+            problems.append(f"training.head_first_epochs={k}: must be >= 0 (0: one stage)")
+        elif not m.pretrained:
+            problems.append(
+                f"training.head_first_epochs={k}: a staged fine-tuning needs public weights "
+                "(model.pretrained); set it to 0 when training from scratch"
+            )
+        elif t.finetune == "last_layers":
+            problems.append(
+                f"training.head_first_epochs={k} with training.finetune='last_layers': both "
+                "stages would train the same modules; use finetune: full, norms_and_biases "
+                "or lora for the second stage, or set head_first_epochs to 0"
+            )
+        elif k >= t.epochs and (t.recipe != "auto" or t.recipe_chosen):  # epochs known
+            problems.append(
+                f"training.head_first_epochs={k}: must be fewer than training.epochs="
+                f"{t.epochs}, or the second stage never starts"
+            )
     return problems
 
 

@@ -105,6 +105,7 @@ from dpkfc_med.training.run_folder import (
 )
 from dpkfc_med.training.setup import (
     build_run_model,
+    head_first_handler,
     make_optimizer,
     recipe_before_task,
     seed_everything,
@@ -322,6 +323,8 @@ def _build_trainer(
     handlers: list[Any] = [LrScheduleHandler(
         cfg.training.lr, total_steps, cfg.training.lr_schedule, cfg.training.warmup_steps
     )]  # fmt: skip
+    if cfg.training.head_first_epochs:
+        handlers.append(head_first_handler(model, cfg))
     if plan is not None:
         handlers.append(PrivacyBudgetHandler(log_, plan.planned_steps))
     handlers.append(HistoryHandler(log_))

@@ -18,7 +18,8 @@ from dpkfc_med.models import (
     make_private_compatible,
     validate_private_compatible,
 )
-from dpkfc_med.models.finetune import FinetuneRecord, apply_finetune
+from dpkfc_med.engines.handlers.staged import HeadFirstHandler, head_parameters
+from dpkfc_med.models.finetune import FinetuneRecord, apply_finetune, finetune_record
 from dpkfc_med.models.pretrained import PretrainedWeightsError, load_pretrained, same_data_problems
 from dpkfc_med.privacy.adambc import DPAdamBC
 from dpkfc_med.recipe import public_facts, recipe_after_task, recipe_before_task
@@ -31,6 +32,7 @@ log = logging.getLogger("dpkfc_med")
 
 __all__ = [
     "build_run_model",
+    "head_first_handler",
     "prepare_finetune",
     "make_optimizer",
     "recipe_before_task",
@@ -141,6 +143,24 @@ def prepare_finetune(
     )
     record.pretrained = pretrained
     return record
+
+
+def head_first_handler(model: nn.Module, cfg: RunConfig) -> HeadFirstHandler:
+    """``training.head_first_epochs``: the stage handler, its stage kept in the finetune record."""
+    t = cfg.training
+    head = head_parameters(model, t.finetune_last)
+    ids = {id(p) for p in head}
+    record = finetune_record(model)
+    if record is not None:  # the report's model section names the stage
+        record.head_first = {
+            "epochs": t.head_first_epochs,
+            "modules": [
+                n for n, m in model.named_modules()
+                if any(id(p) in ids for p in m.parameters(recurse=False))
+            ],
+            "params": sum(p.numel() for p in head),
+        }  # fmt: skip
+    return HeadFirstHandler(model, head, t.head_first_epochs)
 
 
 def make_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
