@@ -284,12 +284,14 @@ def pretrained_block(model: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(weights, Mapping):
         return None
     mode = model.get("finetune") or "full"
+    staged = model.get("head_first") or {}
     return {
         "sha256": weights.get("sha256"),
         "source": weights.get("source") or "not stated",
         "format": weights.get("format"),
         "fine_tuning": mode
-        + (" (adapters merged into the released weights)" if mode == "lora" else ""),
+        + (" (adapters merged into the released weights)" if mode == "lora" else "")
+        + (f", after {staged['epochs']} epoch(s) of the head alone" if staged else ""),
         "covered": "The released weights were fine-tuned privately from these weights: the "
         "guarantee covers the private fine-tuning only. Whatever the starting weights reveal "
         "about their own training data is not covered, so they must not have been trained on "

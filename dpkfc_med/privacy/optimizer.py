@@ -123,11 +123,11 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             come from the kept rows (:mod:`.ghost`). Emptied after every step.
 
     Attributes:
-        hold: ``id``\ s of parameters that learn nothing at the next steps (the first stage of
-            ``training.head_first_epochs``): their per-unit gradients count as zero in the
-            clipped norm and sum, and their noisy gradient is dropped before the update (no
-            step, no optimizer state). The others' clipped sum then has norm at most ``C``
-            per unit, so the step is the planned mechanism restricted to them.
+        hold: ``id(p)`` of every parameter ``p`` that learns nothing at the next steps (the
+            first stage of ``training.head_first_epochs``): their per-unit gradients count as
+            zero in the clipped norm and sum, and their noisy gradient is dropped before the
+            update (no step, no optimizer state). The others' clipped sum then has norm at
+            most ``C`` per unit, so the step is the planned mechanism restricted to them.
     """
 
     def __init__(

@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpkfc_med.engines.handlers.staged import HeadFirstHandler, head_parameters
 from dpkfc_med.models import (
     build_model,
     check_input_size,
     make_private_compatible,
     validate_private_compatible,
 )
-from dpkfc_med.engines.handlers.staged import HeadFirstHandler, head_parameters
 from dpkfc_med.models.finetune import FinetuneRecord, apply_finetune, finetune_record
 from dpkfc_med.models.pretrained import PretrainedWeightsError, load_pretrained, same_data_problems
 from dpkfc_med.privacy.adambc import DPAdamBC

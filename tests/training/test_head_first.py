@@ -109,7 +109,9 @@ def test_handler_follows_the_epoch_with_a_plain_optimizer_too():
     net = tiny_cnn_2d()
     head = head_parameters(net, 1)
     assert [id(p) for p in head] == [id(net[6].weight), id(net[6].bias)]
-    assert {id(p) for p in head_parameters(net, 2)} == {id(p) for p in (*head, *net[3].parameters())}
+    assert {id(p) for p in head_parameters(net, 2)} == {
+        id(p) for p in (*head, *net[3].parameters())
+    }
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     handler = HeadFirstHandler(net, head, epochs=2)
     engine = SimpleNamespace(state=SimpleNamespace(epoch=1), optimizer=opt)
@@ -206,5 +208,7 @@ def test_a_staged_run_holds_the_body_for_its_first_epochs_and_says_so(tmp_path):
 def _small_cnn_params():
     from dpkfc_med.models import build_model
 
-    net, _ = build_model("small_cnn", spatial_dims=2, in_channels=1, out_channels=2, input_size=(28, 28))
+    net, _ = build_model(
+        "small_cnn", spatial_dims=2, in_channels=1, out_channels=2, input_size=(28, 28)
+    )
     return net.named_parameters()
