@@ -171,18 +171,24 @@ def test_lora_on_conv3d_and_explicit_targets():
 # ----------------------------------------------------------------- privacy with frozen layers
 
 
-def _private(mode: str, method: str, n: int = 8):
+def _private(mode: str, method: str, n: int = 8, *, last: int = 2, optimizer: str = "sgd"):
+    """A tiny CNN in fine-tuning ``mode`` behind the privacy engine, and a batch of ``n``."""
     torch.manual_seed(3)
     net = tiny_cnn_2d()
-    record = apply_finetune(net, mode, last=2, lora_rank=2, lora_alpha=4.0)
+    record = apply_finetune(net, mode, last=last, lora_rank=2, lora_alpha=4.0)
     validate_private_compatible(net)
     frozen = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
     g = torch.Generator().manual_seed(0)
     x, y = 20 * torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+    opt = (
+        torch.optim.Adam(net.parameters(), lr=0.1)
+        if optimizer == "adam"
+        else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    )
     engine = PrivacyEngine(seed=1)
     pm, popt, _ = engine.make_private(
         module=net,
-        optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1),
+        optimizer=opt,
         data_loader=DataLoader(TensorDataset(x, y), batch_size=n),
         noise_multiplier=1.0,
         max_grad_norm=C,

@@ -10,48 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from torch.utils.data import DataLoader, TensorDataset
 
-from dpkfc_med.curvature.preconditioner import PreconditionerConfig
 from dpkfc_med.engines.handlers.staged import HeadFirstHandler, head_parameters
-from dpkfc_med.models import validate_private_compatible
 from dpkfc_med.models.finetune import apply_finetune
-from dpkfc_med.privacy.engine import PrivacyEngine
 from dpkfc_med.training.config import ConfigError, config_from_dict
-from tests.conftest import SHARED_DATA, GaussianProbes, per_sample_ce, summed_clipped, tiny_cnn_2d
+from tests.conftest import SHARED_DATA, summed_clipped, tiny_cnn_2d
+from tests.training.test_finetune import C
+from tests.training.test_finetune import _private as finetune_private
 
 PNEUMONIA = Path(SHARED_DATA) / "medmnist" / "pneumoniamnist.npz"
-C = 0.5
 HEAD = {"6.weight", "6.bias"}  # tiny_cnn_2d's output layer
 
 
-def _private(mode: str, method: str, n: int = 8, optimizer: str = "sgd"):
-    torch.manual_seed(3)
-    net = tiny_cnn_2d()
-    apply_finetune(net, mode, last=1)
-    validate_private_compatible(net)
-    g = torch.Generator().manual_seed(0)
-    x, y = 20 * torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-    opt = (
-        torch.optim.Adam(net.parameters(), lr=0.1)
-        if optimizer == "adam"
-        else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    )
-    pm, popt, _ = PrivacyEngine(seed=1).make_private(
-        module=net,
-        optimizer=opt,
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=n),
-        noise_multiplier=1.0,
-        max_grad_norm=C,
-        delta=1e-5,
-        method=method,
-        probe_source=GaussianProbes((1, 8, 8), num_classes=3),
-        probe_loss=per_sample_ce,
-        preconditioner=(
-            PreconditionerConfig(num_probes=32, chunk_size=32) if method == "dp-kfc" else None
-        ),
-        backward_reduction="sum",
-    )
+def _private(mode: str, method: str, optimizer: str = "sgd"):
+    _, net, pm, popt, x, y, _, _ = finetune_private(mode, method, last=1, optimizer=optimizer)
     return net, pm, popt, x, y
 
 
