@@ -160,6 +160,17 @@ def _test_dice(private_cfg: Any, run_dir: Path) -> dict[str, float]:
             **{f"test_dice_{k}": float(v) for k, v in m["dice_per_class"].items()}}  # fmt: skip
 
 
+def _auto_config(config: Path, path: Path) -> Path:
+    """``config`` with every recipe field removed and ``training.recipe: auto``."""
+    import yaml
+
+    from dpkfc_bench.recipe import strip_recipe
+
+    raw = strip_recipe(yaml.safe_load(config.read_text(encoding="utf-8")))
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
 def run_job(
     job: dict[str, Any], folders: dict[str, Path], work: Path, threads: int, epochs: int | None
 ) -> dict[str, Any]:
@@ -178,6 +189,9 @@ def run_job(
                               "method=nonprivate", *base], public_dir)  # fmt: skip
         if arm == "public":
             return _test_dice(private_cfg, public_dir)
+    config = _config(eps)
+    if arm == "private" and job["method"] == "auto":  # recipe: auto on the private set alone
+        config = _auto_config(config, work / f"private_auto_eps{eps:g}.yaml")
     finetune = job.get("finetune", "full")
     mode, *variant = finetune.split("@")  # "full@training.lr=0.003": a mode and its overrides
     label = finetune.replace("@", "_").replace("=", "")
@@ -190,7 +204,7 @@ def run_job(
                       f"model.pretrained_source=public release, shift {shift}"]  # fmt: skip
         if shift in ("labels", "both"):  # anterior and posterior from the merged class
             overrides.append("model.pretrained_class_map=[0,1,1]")
-    cfg = _train(_config(eps), overrides, run)
+    cfg = _train(config, overrides, run)
     out = {**_test_dice(cfg, run), **layer_evidence(run)}
     shutil.rmtree(run, ignore_errors=True)
     return out
@@ -201,13 +215,15 @@ def jobs(
     seeds: list[int],
     finetunes: tuple[str, ...] = ("full",),
     methods: tuple[str, ...] = METHODS,
+    private: tuple[str, ...] = ("config",),
 ) -> list[dict[str, Any]]:
     """Every run, most informative first: epsilon by epsilon, the public models first.
 
     ``finetunes`` are the ``training.finetune`` modes of the fine-tuning arms (``full``,
     ``lora``, ...), each optionally with a fine-tuning recipe's overrides after ``@``
     (``full@training.lr=0.003``); the public and private-only arms are run once whatever
-    they are."""
+    they are. ``private``: the private-only arm's recipes, ``config`` (the shipped config of
+    the epsilon as it is) and ``auto`` (that config under ``recipe: auto``)."""
     out: list[dict[str, Any]] = []
     for seed in seeds:
         out += [{"arm": "public", "shift": s, "seed": seed} for s in SHIFTS]
@@ -216,8 +232,8 @@ def jobs(
             for shift in ("both", "labels", "contrast"):
                 out += [{"arm": "finetune", "shift": shift, "method": m, "eps": eps, "seed": seed,
                          "finetune": f} for f in finetunes for m in methods]  # fmt: skip
-            out.append({"arm": "private", "shift": None, "method": "config", "eps": eps,
-                        "seed": seed})  # fmt: skip
+            out += [{"arm": "private", "shift": None, "method": r, "eps": eps, "seed": seed}
+                    for r in private]  # fmt: skip
     return out
 
 
@@ -266,8 +282,11 @@ def summarize(data: dict[str, Any]) -> str:
                 for f in _modes([r for r in rows if r.get("eps") == eps])
                 for m in METHODS]  # fmt: skip
         body = [b for b in body if any(c != "not run" for c in b[1:])]
-        private = cell({"arm": "private", "eps": eps})
+        private = cell({"arm": "private", "eps": eps, "method": "config"})
         body.append(["private only (shipped recipe, no public weights)", *[private] * 3])
+        auto = cell({"arm": "private", "eps": eps, "method": "auto"})
+        if auto != "not run":
+            body.append(["private only (recipe: auto, no public weights)", *[auto] * 3])
         lines += table(["arm", *[f"shift: {s}" for s in SHIFTS]], body)
     lines += _snr_tables(rows)
     lines += reading_lines(data)
@@ -333,7 +352,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
              "#4c72b0"),
             ("public init + DP-KFC", {"arm": "finetune", "method": "dp-kfc", "finetune": "full"},
              "#dd8452"),
-            ("private only", {"arm": "private"}, "#55a868")]  # fmt: skip
+            ("private only", {"arm": "private", "method": "config"}, "#55a868")]  # fmt: skip
     fig, axes = plt.subplots(1, len(eps_list), figsize=(4.2 * len(eps_list), 3.4), sharey=True)
     axes = np.atleast_1d(axes)
     width = 0.2
@@ -388,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         "full@training.lr=0.003",
     )
     p.add_argument("--methods", default=",".join(METHODS), help="of dp-sgd,dp-kfc")
+    p.add_argument(
+        "--private",
+        default="config",
+        help="private-only recipes, of config,auto (auto: the config under recipe: auto)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--epochs", type=int, default=None, help="every arm alike (default: config)")
     p.add_argument("--out", type=Path, default=OUT)
@@ -415,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     done = {_key(r) for r in data["runs"]}
     save_results(args.out, data)
     modes, methods = tuple(args.finetune.split(",")), tuple(args.methods.split(","))
-    for job in jobs(floats(args.eps), ints(args.seeds), modes, methods):
+    private = tuple(args.private.split(","))
+    for job in jobs(floats(args.eps), ints(args.seeds), modes, methods, private):
         if _key(job) in done:
             continue
         t0 = time.perf_counter()

@@ -92,7 +92,7 @@ RIVALS = {
 ALL_ARMS = (*ARMS, *RIVALS)
 
 
-def _strip_recipe(raw: dict[str, Any]) -> dict[str, Any]:
+def strip_recipe(raw: dict[str, Any]) -> dict[str, Any]:
     """A config with every field the rule may choose removed, and ``recipe: auto``."""
     from dpkfc_med.recipe import RECIPE_FIELDS
 
@@ -118,7 +118,7 @@ def _command(job: dict[str, Any], run: Path, tmp: Path) -> list[str]:
     raw = yaml.safe_load((ROOT / CONFIGS[w][0]).read_text(encoding="utf-8"))
     raw.setdefault("privacy", {})["target_epsilon"] = float(eps)
     if arm != "own":
-        raw = _strip_recipe(raw)
+        raw = strip_recipe(raw)
     path = tmp / f"{w}_{arm}.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     return ["train", str(path), "--out", str(run), *common]

@@ -77,3 +77,24 @@ def test_a_fine_tuning_recipe_variant_is_its_own_arm_with_its_overrides():
         "| public init + dp-kfc fine-tuning (full, training.lr=0.003) | 0.600 +- 0.000 (n=1) "
         "| 0.600 +- 0.000 (n=1) | 0.600 +- 0.000 (n=1) |",
     ]  # no dp-sgd line: nobody ran it
+
+
+def test_private_only_under_recipe_auto_is_a_row_of_its_own(tmp_path):
+    """``--private config,auto``: the shipped recipe and recipe: auto, kept apart."""
+    import yaml
+
+    from dpkfc_bench.public_init import _auto_config, _config, _key, jobs, summarize
+    from dpkfc_med.recipe import RECIPE_FIELDS
+    from dpkfc_med.training.config_checks import flatten
+
+    js = [j for j in jobs([1.0], [1], methods=("dp-kfc",), private=("config", "auto"))
+          if j["arm"] == "private"]  # fmt: skip
+    assert [j["method"] for j in js] == ["config", "auto"] and _key(js[0]) != _key(js[1])
+    rows = [{**j, "test_mean_dice": 0.3 if j["method"] == "config" else 0.5} for j in js]
+    lines = [ln for ln in summarize({"runs": rows}).splitlines() if ln.startswith("| private")]
+    assert lines[0].startswith("| private only (shipped recipe, no public weights) | 0.300")
+    assert lines[1].startswith("| private only (recipe: auto, no public weights) | 0.500")
+    raw = yaml.safe_load(_auto_config(_config(1.0), tmp_path / "auto.yaml").read_text("utf-8"))
+    assert raw["training"]["recipe"] == "auto"
+    assert not set(flatten(raw)) & set(RECIPE_FIELDS)  # every recipe field left to the rule
+    assert raw["data"]["patch_size"] == [32, 48, 32] and raw["privacy"]["target_epsilon"] == 1.0
