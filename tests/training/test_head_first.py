@@ -121,7 +121,9 @@ def test_config_names_what_a_staged_fine_tuning_needs():
 
 @pytest.mark.skipif(not PNEUMONIA.is_file(), reason="PneumoniaMNIST not available")
 def test_a_staged_run_holds_the_body_for_its_first_epochs_and_says_so(tmp_path):
+    from dpkfc_med.bundle.metadata import pretrained_block
     from dpkfc_med.cli import main
+    from dpkfc_med.report import check_report
     from dpkfc_med.training.config import load_config
     from dpkfc_med.training.run import train
 
@@ -165,6 +167,7 @@ def test_a_staged_run_holds_the_body_for_its_first_epochs_and_says_so(tmp_path):
 
     result = train(load_config(path), instrument=instrument)
     report = json.loads((result.run_dir / "privacy_report.json").read_text(encoding="utf-8"))
+    check_report(report)
     stage = report["model"]["head_first"]
     assert stage["epochs"] == 1 and len(stage["modules"]) == 1
     head = {f"{stage['modules'][0]}.{k}" for k in ("weight", "bias")}
@@ -175,6 +178,9 @@ def test_a_staged_run_holds_the_body_for_its_first_epochs_and_says_so(tmp_path):
     assert all(s - head for s in moved[per_epoch:])  # then the body too
     text = (result.run_dir / "privacy_report.md").read_text(encoding="utf-8")
     assert f"full, after 1 epoch in which only {stage['modules'][0]} (" in text
+    exported = pretrained_block(report["model"])
+    assert exported is not None
+    assert exported["fine_tuning"] == "full, after 1 epoch(s) of the head alone"
 
 
 def _small_cnn_params():
