@@ -160,6 +160,10 @@ def _test_dice(private_cfg: Any, run_dir: Path) -> dict[str, float]:
             **{f"test_dice_{k}": float(v) for k, v in m["dice_per_class"].items()}}  # fmt: skip
 
 
+AUTO = "training.recipe=auto"
+"""A fine-tuning variant under ``recipe: auto`` (``--finetune full@training.recipe=auto``)."""
+
+
 def _auto_config(config: Path, path: Path) -> Path:
     """``config`` with every recipe field removed and ``training.recipe: auto``."""
     import yaml
@@ -169,6 +173,21 @@ def _auto_config(config: Path, path: Path) -> Path:
     raw = strip_recipe(yaml.safe_load(config.read_text(encoding="utf-8")))
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     return path
+
+
+def job_config(job: dict[str, Any], work: Path) -> tuple[Path, str, list[str]]:
+    """A job's config, fine-tuning mode and the mode's overrides.
+
+    ``full@training.lr=0.003`` is a mode and its overrides; ``@training.recipe=auto`` (and the
+    private-only arm of method ``auto``) trains under ``recipe: auto``: the config of the
+    epsilon with every recipe field removed, the rule seeing the public weights and the method.
+    """
+    config = _config(job["eps"])
+    mode, *variant = job.get("finetune", "full").split("@")
+    if (job["arm"] == "private" and job["method"] == "auto") or AUTO in variant:
+        variant = [v for v in variant if v != AUTO]
+        config = _auto_config(config, work / f"{job['arm']}_auto_eps{job['eps']:g}.yaml")
+    return config, mode, variant
 
 
 def run_job(
@@ -189,11 +208,8 @@ def run_job(
                               "method=nonprivate", *base], public_dir)  # fmt: skip
         if arm == "public":
             return _test_dice(private_cfg, public_dir)
-    config = _config(eps)
-    if arm == "private" and job["method"] == "auto":  # recipe: auto on the private set alone
-        config = _auto_config(config, work / f"private_auto_eps{eps:g}.yaml")
     finetune = job.get("finetune", "full")
-    mode, *variant = finetune.split("@")  # "full@training.lr=0.003": a mode and its overrides
+    config, mode, variant = job_config(job, work)
     label = finetune.replace("@", "_").replace("=", "")
     run = work / f"{arm}_{shift}_{job['method']}_{label}_eps{eps:g}_s{seed}"
     # the private-only arm keeps its config's own method (the shipped recipe: DP-SGD at 1)

@@ -98,3 +98,19 @@ def test_private_only_under_recipe_auto_is_a_row_of_its_own(tmp_path):
     assert raw["training"]["recipe"] == "auto"
     assert not set(flatten(raw)) & set(RECIPE_FIELDS)  # every recipe field left to the rule
     assert raw["data"]["patch_size"] == [32, 48, 32] and raw["privacy"]["target_epsilon"] == 1.0
+
+
+def test_a_public_start_under_recipe_auto_trains_from_the_stripped_config(tmp_path):
+    """``full@training.recipe=auto``: the rule's recipe for the public start, overrides kept."""
+    import yaml
+
+    from dpkfc_bench.public_init import _config, job_config
+
+    job = {"arm": "finetune", "shift": "labels", "method": "dp-kfc", "eps": 1.0, "seed": 1,
+           "finetune": "full@training.recipe=auto@training.head_first_epochs=5"}  # fmt: skip
+    config, mode, variant = job_config(job, tmp_path)
+    assert mode == "full" and variant == ["training.head_first_epochs=5"]
+    raw = yaml.safe_load(config.read_text(encoding="utf-8"))
+    assert raw["training"]["recipe"] == "auto" and "lr" not in raw["training"]
+    plain = job_config({**job, "finetune": "full@training.lr=0.003"}, tmp_path)
+    assert plain == (_config(1.0), "full", ["training.lr=0.003"])
