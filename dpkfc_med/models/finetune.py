@@ -89,6 +89,7 @@ class FinetuneMode(str, Enum):
 
     FULL = "full"
     LAST_LAYERS = "last_layers"
+    FIRST_AND_LAST_LAYERS = "first_and_last_layers"
     NORMS_AND_BIASES = "norms_and_biases"
     LORA = "lora"
 
@@ -242,6 +243,8 @@ def apply_finetune(
     * ``full``: every parameter trains.
     * ``last_layers``: the parameters of the last ``last`` parametrised modules (modules with
       parameters of their own, in registration order; norm layers count) train.
+    * ``first_and_last_layers``: the first ``last`` and the last ``last`` parametrised modules
+      train (the input end adapts to a new intensity profile, the output end to new classes).
     * ``norms_and_biases``: normalisation affines, every ``bias`` and the output layer train.
     * ``lora``: LoRA adapters (rank ``r = lora_rank``, scaling ``lora_alpha / r``, ``B = 0`` at
       the start, so the network starts as loaded) are added to ``lora_targets`` -- regexes
@@ -285,6 +288,11 @@ def apply_finetune(
         if last < 1:
             raise ValueError(f"training.finetune_last={last}: must be at least 1")
         train = [p for _, m in mods[-last:] for p in m.parameters(recurse=False)]
+    elif mode is FinetuneMode.FIRST_AND_LAST_LAYERS:
+        if last < 1:
+            raise ValueError(f"training.finetune_last={last}: must be at least 1")
+        ends = {id(m): m for _, m in [*mods[:last], *mods[-last:]]}
+        train = [p for m in ends.values() for p in m.parameters(recurse=False)]
     elif mode is FinetuneMode.NORMS_AND_BIASES:
         for name, m in mods:
             for p_name, p in m.named_parameters(recurse=False):

@@ -291,12 +291,14 @@ class TrainingConfig:
             wraps the network: no per-sample gradient, clipping share, noise or curvature
             block): ``full``; ``last_layers`` (the last ``finetune_last`` modules with
             parameters of their own, in registration order; norm layers count);
+            ``first_and_last_layers`` (the first and the last ``finetune_last`` such modules);
             ``norms_and_biases`` (normalisation affines, every bias and the output layer);
             ``lora`` (low-rank adapters on ``lora_targets``, plus the output layer in full;
             needs ``pip install 'dpkfc-med[finetune]'``). The released ``model.pt`` is a plain
             network (LoRA merged into the base weights).
         finetune_last: modules trained by ``finetune: last_layers`` (1 = the output layer),
-            and by the first stage of ``head_first_epochs``.
+            at each end by ``first_and_last_layers``, and by the first stage of
+            ``head_first_epochs``.
         head_first_epochs: staged fine-tuning of public weights: for the first ``K`` epochs
             only the last ``finetune_last`` trainable modules (the output layer by default)
             learn; from epoch ``K + 1`` every parameter of ``finetune`` does. One mechanism

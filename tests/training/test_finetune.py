@@ -144,6 +144,17 @@ def test_each_mode_freezes_exactly_the_intended_parameters(mode, trained):
     assert record.frozen_params == sum(p.numel() for p in net.parameters()) - n_trained
 
 
+def test_first_and_last_layers_trains_both_ends_once():
+    net = tiny_cnn_2d()
+    record = apply_finetune(net, "first_and_last_layers", last=1)
+    assert _trainable(net) == {"0.weight", "0.bias", "6.weight", "6.bias"}
+    assert record.trainable_params == 4 * 1 * 9 + 4 + 6 * 4 * 4 * 3 + 3
+    overlap = tiny_cnn_2d()  # the ends overlap: each module once
+    assert apply_finetune(overlap, "first_and_last_layers", last=3).trainable_params == sum(
+        p.numel() for p in overlap.parameters()
+    )
+
+
 @pytest.mark.parametrize("mode", ["full", "norms_and_biases", "lora"])
 def test_parameters_the_builder_froze_stay_frozen(mode):
     net = tiny_cnn_2d()
