@@ -19,7 +19,10 @@ output layer's anterior and posterior both start from the public "hippocampus" c
 cases (data-free pretraining, no public weights). Every private arm uses the shipped run config
 of its epsilon (``configs/hippocampus_unet_3d_eps{1,3,8}.yaml``) with only the method, the
 data folder and the initial weights changed, and releases its last epoch; test Dice is on the
-private test cases (no one tuned on them)::
+private test cases (no one tuned on them). The rows already on the results page were run with
+the hand-tuned configs of their time (40 epochs at epsilon 1 and 3); the epsilon-1 and -3
+configs are now ``recipe: auto``, which the arms ``--private auto`` and
+``--finetune full@training.recipe=auto`` measure::
 
     python -m dpkfc_bench public-init --eps 1,8 --seeds 1
 
