@@ -422,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--finetune",
         default="full",
-        help="fine-tuning modes, e.g. full,lora; a mode with its recipe's overrides after @: "
-        "full@training.lr=0.003",
+        help="fine-tuning modes, e.g. full,lora,first_and_last_layers; a mode with its recipe's "
+        "overrides after @: full@training.lr=0.003, full@training.head_first_epochs=10; "
+        "full@training.recipe=auto: the rule's recipe for the public start",
     )
     p.add_argument("--methods", default=",".join(METHODS), help="of dp-sgd,dp-kfc")
     p.add_argument(

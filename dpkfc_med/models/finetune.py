@@ -284,14 +284,11 @@ def apply_finetune(
     lora_info: dict[str, Any] | None = None
     if mode is FinetuneMode.FULL:
         train = list(params.values())
-    elif mode is FinetuneMode.LAST_LAYERS:
+    elif mode in (FinetuneMode.LAST_LAYERS, FinetuneMode.FIRST_AND_LAST_LAYERS):
         if last < 1:
             raise ValueError(f"training.finetune_last={last}: must be at least 1")
-        train = [p for _, m in mods[-last:] for p in m.parameters(recurse=False)]
-    elif mode is FinetuneMode.FIRST_AND_LAST_LAYERS:
-        if last < 1:
-            raise ValueError(f"training.finetune_last={last}: must be at least 1")
-        ends = {id(m): m for _, m in [*mods[:last], *mods[-last:]]}
+        first = mods[:last] if mode is FinetuneMode.FIRST_AND_LAST_LAYERS else []
+        ends = {id(m): m for _, m in [*first, *mods[-last:]]}  # overlapping ends: once
         train = [p for m in ends.values() for p in m.parameters(recurse=False)]
     elif mode is FinetuneMode.NORMS_AND_BIASES:
         for name, m in mods:

@@ -255,10 +255,11 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             None if id(p) in ghost else self._per_unit(self._get_flat_grad_sample(p))
             for p in self.params
         ]
-        grads = [  # a held parameter's gradient counts as zero (its noisy sum is dropped)
-            torch.zeros_like(g) if g is not None and id(p) in self.hold else g
-            for p, g in zip(self.params, grads)
-        ]
+        if self.hold:  # a held parameter's gradient counts as zero (its noisy sum is dropped)
+            grads = [
+                torch.zeros_like(g) if g is not None and id(p) in self.hold else g
+                for p, g in zip(self.params, grads)
+            ]
         sizes = [len(g) for g in grads if g is not None] + [len(v) for v in ghost_sq.values()]
         if len(set(sizes)) > 1:
             raise ValueError(
@@ -451,9 +452,10 @@ class ScaleThenPrivatizeOptimizer(DPOptimizer):
             return False
         self.add_noise()
         self.scale_grad()
-        for p in self.params:
-            if id(p) in self.hold:  # its noise only: dropped, no update
-                p.grad = None
+        if self.hold:  # a held parameter's noise only: dropped, no update
+            for p in self.params:
+                if id(p) in self.hold:
+                    p.grad = None
         if self.step_hook:
             self.step_hook(self)
         self._is_last_step_skipped = False

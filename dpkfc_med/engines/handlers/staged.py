@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from ignite.engine import Events
 from torch import nn
 
+from dpkfc_med.models.finetune import parametrised_modules
+
 if TYPE_CHECKING:
     from dpkfc_med.engines.trainer import PrivateTrainer
 
@@ -24,7 +26,7 @@ def head_parameters(model: nn.Module, last: int) -> list[nn.Parameter]:
         raise ValueError(f"training.finetune_last={last}: must be at least 1")
     mods = [
         m
-        for _, m in model.named_modules()
+        for _, m in parametrised_modules(model)
         if any(p.requires_grad for p in m.parameters(recurse=False))
     ]
     return [p for m in mods[-last:] for p in m.parameters(recurse=False) if p.requires_grad]
